@@ -1,0 +1,341 @@
+"""Kimi Delta Attention as pure tensor functions (SPEC §1, Eq. 1–6).
+
+Layout follows fla and transformers: q, k, g ``[B, T, H, K]``; v ``[B, T, H, V]``; beta ``[B, T, H]``;
+state ``[B, H, K, V]``. ``g`` is the already-activated log-decay (``g <= 0``); the recurrence is
+
+    S_t = (I - β_t k_t k_tᵀ) Diag(exp g_t) S_{t-1} + β_t k_t v_tᵀ,     o_t = scale · S_tᵀ q_t
+
+Three forms compute it and are tested equal:
+
+* `recurrent` — the token-by-token oracle (a loop of `step`), obviously right;
+* `chunked` — the chunkwise-parallel form for training and prefill;
+* `segment_summary` / `compose` — a segment acts on its incoming state as ``S ↦ M S + U``.
+
+Inputs may be any float dtype; arithmetic runs in fp32 (fp64 when any input is fp64) and the
+returned state has that dtype; outputs take ``v``'s dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = [
+    "recurrent",
+    "chunked",
+    "step",
+    "segment_summary",
+    "compose",
+    "bounded_decay",
+    "softplus_decay",
+    "l2norm",
+]
+
+TILE = 16  # sub-chunk tile: exponents are anchored inside 16-token tiles
+
+
+# ---------------------------------------------------------------------- gates and norm
+def l2norm(x: Tensor, dim: int = -1, eps: float = 1e-6) -> Tensor:
+    """Regularised L2 norm ``x / sqrt(||x||² + eps)`` (SPEC §1): norm < 1 and zero stays zero."""
+    return x / torch.sqrt((x * x).sum(dim=dim, keepdim=True) + eps)
+
+
+def _gate_input(z: Tensor, A_log: Tensor, dt_bias: Tensor | None) -> tuple[Tensor, Tensor]:
+    if z.dim() < 2 or not z.is_floating_point():
+        raise ValueError(f"z: expected a float tensor [..., H, K], got {z.dtype} {list(z.shape)}")
+    H, K = z.shape[-2:]
+    dtype = torch.float64 if z.dtype == torch.float64 else torch.float32
+    if A_log.numel() != H:
+        raise ValueError(f"A_log: expected {H} elements (one per head), got shape {list(A_log.shape)}")
+    z = z.to(dtype)
+    if dt_bias is not None:
+        if dt_bias.numel() != H * K:
+            raise ValueError(f"dt_bias: expected H*K = {H * K} elements, got shape {list(dt_bias.shape)}")
+        z = z + dt_bias.to(dtype).reshape(H, K)
+    return z, A_log.to(dtype).reshape(H, 1).exp()
+
+
+def bounded_decay(z: Tensor, A_log: Tensor, dt_bias: Tensor | None, g_min: float = -5.0) -> Tensor:
+    """K3's bounded log-decay ``g = g_min · sigmoid(exp(A) · (z + dt_bias))`` ∈ (g_min, 0) (SPEC §1).
+
+    ``z``: ``[..., H, K]``; ``A_log``: H elements; ``dt_bias``: H·K elements. Returns fp32 (fp64 for fp64 z).
+    """
+    if not g_min < 0:
+        raise ValueError(f"g_min: must be < 0, got {g_min}")
+    z, a = _gate_input(z, A_log, dt_bias)
+    return g_min * torch.sigmoid(a * z)
+
+
+def softplus_decay(z: Tensor, A_log: Tensor, dt_bias: Tensor | None) -> Tensor:
+    """Kimi Linear's unbounded log-decay ``g = -exp(A) · softplus(z + dt_bias)`` (SPEC §1)."""
+    z, a = _gate_input(z, A_log, dt_bias)
+    return -a * F.softplus(z)
+
+
+# ---------------------------------------------------------------------- validation
+def _compute_dtype(*xs: Tensor | None) -> torch.dtype:
+    return torch.float64 if any(x is not None and x.dtype == torch.float64 for x in xs) else torch.float32
+
+
+def _check_float(name: str, x: Tensor) -> None:
+    if not isinstance(x, Tensor):
+        raise ValueError(f"{name}: expected a tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise ValueError(f"{name}: expected a floating-point tensor, got {x.dtype}")
+
+
+def _check_shape(name: str, x: Tensor, expected: list[int], layout: str) -> None:
+    _check_float(name, x)
+    if list(x.shape) != expected:
+        raise ValueError(f"{name}: expected shape {layout} = {expected}, got {list(x.shape)}")
+
+
+def _validate(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor | None,
+              single_token: bool = False) -> tuple[int, ...]:
+    """Check shapes/dtypes of a sequence (``[B,T,H,*]``) or a single token (``[B,H,*]``)."""
+    _check_float("q", q)
+    want = 3 if single_token else 4
+    if q.dim() != want:
+        layout = "[B, H, K]" if single_token else "[B, T, H, K]"
+        raise ValueError(f"q: expected {want} dims {layout}, got shape {list(q.shape)}")
+    lead, K = list(q.shape[:-1]), q.shape[-1]
+    _check_shape("k", k, lead + [K], "like q")
+    _check_shape("g", g, lead + [K], "like q")
+    _check_float("v", v)
+    if v.dim() != want or list(v.shape[:-1]) != lead:
+        raise ValueError(f"v: expected shape {lead + ['V']} (leading dims of q), got {list(v.shape)}")
+    V = v.shape[-1]
+    _check_shape("beta", beta, lead, "q's shape without the last dim")
+    B, H = lead[0], lead[-1]
+    if state is not None:
+        _check_shape("initial_state" if not single_token else "state", state, [B, H, K, V], "[B, H, K, V]")
+    return (B, *lead[1:-1], H, K, V)
+
+
+# ---------------------------------------------------------------------- the recurrence
+def step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor | None,
+         scale: float | None = None) -> tuple[Tensor, Tensor]:
+    """One token from a state (SPEC Eq. 1): q, k, g ``[B,H,K]``; v ``[B,H,V]``; beta ``[B,H]``.
+
+    Decay, then erase along k, then write; the query reads the *updated* state.
+    Returns ``(o [B,H,V] in v's dtype, new state [B,H,K,V])``.
+    """
+    B, H, K, V = _validate(q, k, v, g, beta, state, single_token=True)
+    dtype = _compute_dtype(q, k, v, g, beta, state)
+    scale = K**-0.5 if scale is None else scale
+    q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
+    S = q.new_zeros(B, H, K, V) if state is None else state.to(dtype)
+    S = S * g.exp().unsqueeze(-1)  # Diag(α) S
+    recalled = torch.einsum("bhk,bhkv->bhv", k, S)  # kᵀ S
+    S = S + torch.einsum("bhk,bhv->bhkv", beta.unsqueeze(-1) * k, v - recalled)  # erase, then write
+    o = scale * torch.einsum("bhk,bhkv->bhv", q, S)
+    return o.to(v.dtype), S
+
+
+def recurrent(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float | None = None,
+              initial_state: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Token-by-token oracle: `step` applied for t = 0..T-1. Returns ``(o [B,T,H,V], final state)``."""
+    B, T, H, K, V = _validate(q, k, v, g, beta, initial_state)
+    S = initial_state
+    if S is None:
+        S = q.new_zeros(B, H, K, V, dtype=_compute_dtype(q, k, v, g, beta))
+    outputs = []
+    for t in range(T):
+        o_t, S = step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], S, scale)
+        outputs.append(o_t)
+    o = torch.stack(outputs, dim=1) if outputs else v.new_zeros(B, 0, H, V)
+    return o, S.to(_compute_dtype(q, k, v, g, beta, initial_state))
+
+
+# ---------------------------------------------------------------------- chunkwise-parallel form
+# Largest exponent a diagonal tile may form: anchored at the tile start, a column factor reaches
+# exp(16·|g|), which must stay finite in the compute dtype (fp32 max ≈ e^88.7, fp64 ≈ e^709).
+_MAX_EXPONENT = {torch.float32: 80.0, torch.float64: 700.0}
+_CHUNK_HEADS_PER_BLOCK = 32  # chunks·heads whose intermediates are computed at once
+
+
+def _exclusive_cumsum(x: Tensor, dim: int) -> Tensor:
+    """Σ of the preceding entries along ``dim`` (a sum, never a difference of sums)."""
+    shifted = x.narrow(dim, 0, x.shape[dim] - 1).cumsum(dim)
+    return torch.cat([torch.zeros_like(x.narrow(dim, 0, 1)), shifted], dim)
+
+
+def _chunk_terms(q: Tensor | None, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                 g_lowest: float) -> dict[str, Tensor]:
+    """Per-chunk terms of the chunkwise form (SPEC §1 form 2), all chunks at once.
+
+    Inputs are ``[N, C, *]`` (N = chunks·batch·heads) in the compute dtype; ``g_lowest`` = min g.
+    With ``G`` the in-chunk cumulative log-decay, ``A`` the strictly causal
+    ``β_i Σ_c k_ic k_jc e^{G_ic - G_jc}`` and ``T = (I + A)⁻¹ Diag(β)``, returns ``W = T (K⊙e^G)``,
+    ``U = T V`` (the chunk's pseudo-values are ``U - W S₀``), ``Kd = K⊙e^{G_C - G}``, ``decay = e^{G_C}``
+    and, given q, the unscaled ``Qe = Q⊙e^G`` and causal ``Aqk_ij = Σ_c q_ic k_jc e^{G_ic - G_jc}``. Then
+
+        S_C = Diag(decay) S₀ + Kdᵀ (U - W S₀),      O = scale · (Qe S₀ + Aqk (U - W S₀)).
+
+    Exponents never overflow: ``G`` is kept as 16-token tile-local cumulative sums plus tile totals;
+    off the diagonal tiles, rows carry the decay since their tile start and columns the decay to their
+    tile end (times the whole tiles in between), so every factor is ≤ 1; a diagonal 16×16 tile
+    anchors at its first token when the gate is bounded (16·|g| ≤ 80 in fp32) and otherwise masks the
+    non-causal differences to -inf before exponentiating. Tile-local sums also keep the exponent
+    differences free of the cancellation a chunk-wide cumulative sum would suffer.
+    """
+    N, C, K = k.shape
+    nt = C // TILE
+    tiles = lambda x: x.view(N, nt, TILE, x.shape[-1])  # noqa: E731
+    gt, kt = tiles(g), tiles(k)
+    Gl = gt.cumsum(2)  # tile-local cumulative log-decay
+    tau = Gl[:, :, -1]  # [N, nt, K] tile totals
+    from_start = Gl.exp()  # e^{G_i - G(tile start)} ≤ 1
+    k_end = kt * (tau.unsqueeze(2) - Gl).exp()  # k_j e^{G(tile end) - G_j}
+    # Columns of every tile b < a, decayed from tile b's end to tile a's start: [N, 16a, K] for each a.
+    cols = {
+        a: (k_end[:, :a] * _exclusive_cumsum(tau[:, :a].flip(1), 1).flip(1).exp().unsqueeze(2)).view(N, -1, K)
+        for a in range(1, nt)
+    }
+    causal = torch.ones(TILE, TILE, dtype=torch.bool, device=k.device).tril()
+    bounded = -g_lowest * TILE <= _MAX_EXPONENT[k.dtype]
+    if bounded:  # anchor at the tile start: columns carry e^{-Gl_j} ≤ e^{16|g|}, finite (its gradient too)
+        cols_diag = (kt * (-Gl).exp()).transpose(-1, -2)
+    rows, blocks = [], []  # row sets: k (for Akk) and, given q, q (for Aqk)
+    for x in [kt] if q is None else [kt, tiles(q)]:
+        x_start = x * from_start
+        A = k.new_zeros(N, nt, TILE, C)  # one block row per tile
+        for a in range(1, nt):
+            A[:, a, :, : a * TILE] = x_start[:, a] @ cols[a].transpose(1, 2)
+        if bounded:
+            diag = torch.where(causal, x_start @ cols_diag, 0.0)
+        else:
+            gaps = (Gl.unsqueeze(3) - Gl.unsqueeze(2)).masked_fill(~causal[..., None], float("-inf"))
+            diag = torch.einsum("naic,najc,naijc->naij", x, kt, gaps.exp())
+        A.view(N, nt, TILE, nt, TILE).diagonal(0, 1, 3).copy_(diag.permute(0, 2, 3, 1))
+        rows.append(x_start)
+        blocks.append(A.view(N, C, C))
+
+    # T = (I + Akk)⁻¹ Diag(β): a unit-triangular solve against the identity (only the strictly lower
+    # part of Akk is read), then batched matmuls — on CPU cheaper than solving against K+V columns.
+    Akk = blocks[0] * beta.unsqueeze(-1)
+    eye = torch.eye(C, dtype=k.dtype, device=k.device).expand(N, C, C)
+    T = torch.linalg.solve_triangular(Akk, eye, upper=False, unitriangular=True) * beta.unsqueeze(1)
+    before = _exclusive_cumsum(tau, 1)  # log-decay from the chunk start to each tile start
+    start_decay = before.exp().unsqueeze(2)
+    terms = {
+        "W": T @ (rows[0] * start_decay).view(N, C, K),
+        "U": T @ v,
+        "Kd": (k_end * _exclusive_cumsum(tau.flip(1), 1).flip(1).exp().unsqueeze(2)).view(N, C, K),
+        "decay": (before[:, -1] + tau[:, -1]).exp(),
+    }
+    if q is not None:
+        terms["Qe"] = (rows[1] * start_decay).view(N, C, K)
+        terms["Aqk"] = blocks[1]
+    return terms
+
+
+def _to_chunks(x: Tensor, chunk_size: int, dtype: torch.dtype) -> Tensor:
+    """``[B, T, H, *]`` → chunk-major ``[NC, B·H, C, *]``, zero-padded in time (padding leaves the state unchanged)."""
+    x = x.to(dtype)
+    if x.dim() == 3:
+        x = x.unsqueeze(-1)
+    B, T, H, D = x.shape
+    pad = (-T) % chunk_size
+    if pad:
+        x = F.pad(x, (0, 0, 0, 0, 0, pad))
+    NC = (T + pad) // chunk_size
+    return x.view(B, NC, chunk_size, H, D).permute(1, 0, 3, 2, 4).reshape(NC, B * H, chunk_size, D)
+
+
+def _check_chunk_size(chunk_size: int) -> None:
+    if not isinstance(chunk_size, int) or chunk_size <= 0 or chunk_size % TILE:
+        raise ValueError(f"chunk_size: must be a positive multiple of {TILE}, got {chunk_size!r}")
+
+
+def _check_decay(g: Tensor) -> float:
+    """Require a finite log-decay ``g <= 0``; return its minimum (0.0 when empty)."""
+    if not g.numel():
+        return 0.0
+    lowest, highest = (float(x) for x in torch.aminmax(g.detach()))
+    if not (lowest > float("-inf") and highest <= 0):  # NaN fails both comparisons
+        raise ValueError(f"g: the log-decay must be finite and <= 0 everywhere, got range [{lowest}, {highest}]")
+    return lowest
+
+
+def chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float | None = None,
+            initial_state: Tensor | None = None, chunk_size: int = 64) -> tuple[Tensor, Tensor]:
+    """Chunkwise-parallel KDA (SPEC §1 form 2) for training and prefill; equals `recurrent`.
+
+    Any ``T`` (the tail chunk is zero-padded), autograd-capable. The intra-chunk terms of every chunk
+    are computed at once (`_chunk_terms`); a short loop over chunks carries the state (two small
+    matmuls per chunk), then one batched matmul produces every output.
+    Returns ``(o [B,T,H,V] in v's dtype, final state [B,H,K,V])``.
+    """
+    B, T, H, K, V = _validate(q, k, v, g, beta, initial_state)
+    _check_chunk_size(chunk_size)
+    g_lowest = _check_decay(g)
+    dtype = _compute_dtype(q, k, v, g, beta, initial_state)
+    scale = K**-0.5 if scale is None else scale
+    S = q.new_zeros(B * H, K, V, dtype=dtype) if initial_state is None else initial_state.to(dtype).reshape(
+        B * H, K, V)
+    if T == 0:
+        return v.new_zeros(B, 0, H, V), S.view(B, H, K, V)
+    qc, kc, vc, gc, bc = (_to_chunks(x, chunk_size, dtype) for x in (q, k, v, g, beta))
+    NC, BH, C = kc.shape[:3]
+    # Blocks of chunks keep the intermediates cache-sized; the state is carried between them.
+    block = max(1, _CHUNK_HEADS_PER_BLOCK // BH)
+    o = v.new_empty(B, NC * C, H, V, dtype=dtype)
+    for first in range(0, NC, block):
+        part = slice(first, first + block)
+        t = _chunk_terms(*(x[part].flatten(0, 1) for x in (qc, kc, vc, gc)), bc[part].flatten(0, 1)[..., 0],
+                         g_lowest)
+        nb = t["W"].shape[0] // BH
+        W, U, decay = (t[name].view(nb, BH, *t[name].shape[1:]) for name in ("W", "U", "decay"))
+        Kd_T, decay = t["Kd"].transpose(1, 2).view(nb, BH, K, C), decay.unsqueeze(-1)
+        starts, values = [], []
+        for c in range(nb):  # the sequential part: two [C,K]x[K,V]-sized products per chunk
+            starts.append(S)
+            u = torch.baddbmm(U[c], W[c], S, alpha=-1)  # pseudo-values U - W S
+            values.append(u)
+            S = torch.baddbmm(S * decay[c], Kd_T[c], u)
+        # O = scale · (Qe S₀ + Aqk (U - W S₀)) for every chunk of the block at once.
+        block_o = torch.baddbmm(t["Aqk"] @ torch.cat(values), t["Qe"], torch.cat(starts), beta=scale, alpha=scale)
+        o[:, first * C : (first + nb) * C] = block_o.view(nb, B, H, C, V).permute(1, 0, 3, 2, 4).reshape(
+            B, nb * C, H, V)
+    o = o[:, :T]
+    return o.to(v.dtype), S.view(B, H, K, V)
+
+
+# ---------------------------------------------------------------------- affine segment summaries
+def segment_summary(k: Tensor, g: Tensor, beta: Tensor, v: Tensor,
+                    chunk_size: int = 64) -> tuple[Tensor, Tensor]:
+    """Affine summary of a segment (SPEC §1 form 4): running it from any state S gives ``M S + U``.
+
+    k, g ``[B,T,H,K]``; beta ``[B,T,H]``; v ``[B,T,H,V]``. Returns M ``[B,H,K,K]`` and U ``[B,H,K,V]``
+    — fixed size whatever T, the basis of context parallelism.
+    """
+    _check_float("k", k)
+    if k.dim() != 4:
+        raise ValueError(f"k: expected 4 dims [B, T, H, K], got shape {list(k.shape)}")
+    B, T, H, K, V = _validate(k, k, v, g, beta, None)
+    _check_chunk_size(chunk_size)
+    g_lowest = _check_decay(g)
+    dtype = _compute_dtype(k, v, g, beta)
+    M = torch.eye(K, dtype=dtype, device=k.device).expand(B * H, K, K)
+    U = k.new_zeros(B * H, K, V, dtype=dtype)
+    if T:
+        kc, vc, gc, bc = (_to_chunks(x, chunk_size, dtype) for x in (k, v, g, beta))
+        NC, BH = kc.shape[:2]
+        t = _chunk_terms(None, kc.flatten(0, 1), vc.flatten(0, 1), gc.flatten(0, 1), bc.flatten(0, 1)[..., 0], g_lowest)
+        Kd_T = t["Kd"].transpose(1, 2)
+        Mc = (torch.diag_embed(t["decay"]) - Kd_T @ t["W"]).view(NC, BH, K, K)  # S ↦ Mc S + Nc per chunk
+        Nc = (Kd_T @ t["U"]).view(NC, BH, K, V)
+        for c in range(NC):
+            M, U = Mc[c] @ M, torch.baddbmm(Nc[c], Mc[c], U)
+    return M.reshape(B, H, K, K), U.reshape(B, H, K, V)
+
+
+def compose(first: tuple[Tensor, Tensor], second: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+    """Summary of running ``first`` then ``second``: ``S ↦ M₂(M₁S + U₁) + U₂``. Associative, not commutative."""
+    (M1, U1), (M2, U2) = first, second
+    if M1.shape != M2.shape or U1.shape != U2.shape:
+        raise ValueError(f"compose: summaries differ in shape: M {list(M1.shape)} vs {list(M2.shape)}, "
+                         f"U {list(U1.shape)} vs {list(U2.shape)}")
+    return M2 @ M1, M2 @ U1 + U2
