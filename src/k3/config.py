@@ -30,7 +30,7 @@ ASSUMPTIONS: dict[str, str] = {
     "moe.shared_hidden = 3,072": "each shared expert is a SiTU-GLU of the routed-expert hidden width, at width d.",
     "vision: width 960, MLP 3,840": (
         "12 heads of 80; one divided-attention block (spatial + temporal attention + MLP) gives "
-        "27 blocks ~ 399M, matching the published ~401M; projector 4x960 -> 3,840 -> d."
+        "an encoder of 399M against the published ~401M; projector 4x960 -> 3,840 -> d on top."
     ),
     "tie_word_embeddings = False": "separate LM head, as in Kimi K2 and Kimi Linear.",
 }
@@ -188,9 +188,16 @@ class K3Config:
     def validate(self) -> K3Config:
         """Raise `ValueError` naming the field and its accepted range for any impossible combination."""
         _positive(self, "vocab_size", "hidden_size", "num_layers", "mla_period", "context_length")
-        _check(self.rms_norm_eps > 0, "rms_norm_eps", self.rms_norm_eps, "> 0")
-        _check(self.initializer_range > 0, "initializer_range", self.initializer_range, "> 0")
+        _check(_real(self.rms_norm_eps) and self.rms_norm_eps > 0, "rms_norm_eps", self.rms_norm_eps, "> 0")
+        _check(_real(self.initializer_range) and self.initializer_range > 0, "initializer_range",
+               self.initializer_range, "> 0")
+        _flags(self, "tie_word_embeddings")
+        _flags(self.mla, "output_gate", prefix="mla")
+        _flags(self.attn_res, "enabled", prefix="attn_res")
+        _flags(self.vision, "enabled", prefix="vision")
+        _flags(self.mx, "enabled", prefix="mx")
         if self.mla_layers is not None:
+            _check(isinstance(self.mla_layers, list), "mla_layers", self.mla_layers, "a list of layer indices or null")
             for i in self.mla_layers:
                 _check(isinstance(i, int) and 1 <= i <= self.num_layers, "mla_layers", self.mla_layers,
                        f"1-based layer indices in [1, num_layers={self.num_layers}]")
@@ -200,34 +207,39 @@ class K3Config:
         k = self.kda
         _positive(k, "num_heads", "head_dim", "value_head_dim", "conv_size", "decay_rank", "chunk_size", prefix="kda")
         _check(k.gate in ("bounded", "softplus"), "kda.gate", k.gate, "'bounded' or 'softplus'")
-        _check(k.g_min < 0, "kda.g_min", k.g_min, "< 0")
-        _check(k.output_gate_rank >= 0, "kda.output_gate_rank", k.output_gate_rank, ">= 0 (0 = full rank)")
+        _check(_real(k.g_min) and k.g_min < 0, "kda.g_min", k.g_min, "< 0")
+        _check(isinstance(k.output_gate_rank, int) and k.output_gate_rank >= 0, "kda.output_gate_rank",
+               k.output_gate_rank, ">= 0 (0 = full rank)")
         _check(k.chunk_size % 16 == 0, "kda.chunk_size", k.chunk_size, "a positive multiple of 16")
 
         m = self.mla
         _positive(m, "num_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_shared_head_dim", "v_head_dim", prefix="mla")
-        _check(m.q_lora_rank is None or m.q_lora_rank > 0, "mla.q_lora_rank", m.q_lora_rank, "> 0 or null")
+        _check(m.q_lora_rank is None or (isinstance(m.q_lora_rank, int) and m.q_lora_rank > 0), "mla.q_lora_rank",
+               m.q_lora_rank, "> 0 or null")
 
-        _check(self.attn_res.block_size >= 1, "attn_res.block_size", self.attn_res.block_size, ">= 1")
-        _check(self.situ.gate_cap > 0, "situ.gate_cap", self.situ.gate_cap, "> 0")
-        _check(self.situ.up_cap > 0, "situ.up_cap", self.situ.up_cap, "> 0")
+        _positive(self.attn_res, "block_size", prefix="attn_res")
+        _check(_real(self.situ.gate_cap) and self.situ.gate_cap > 0, "situ.gate_cap", self.situ.gate_cap, "> 0")
+        _check(_real(self.situ.up_cap) and self.situ.up_cap > 0, "situ.up_cap", self.situ.up_cap, "> 0")
 
         e = self.moe
         _positive(e, "num_experts", "num_experts_per_token", "expert_hidden", "dense_hidden", prefix="moe")
         _check(e.num_experts_per_token <= e.num_experts, "moe.num_experts_per_token", e.num_experts_per_token,
                f"[1, moe.num_experts={e.num_experts}]")
-        _check(e.num_shared_experts >= 0, "moe.num_shared_experts", e.num_shared_experts, ">= 0")
-        _check(e.num_shared_experts == 0 or e.shared_hidden > 0, "moe.shared_hidden", e.shared_hidden,
-               "> 0 when there are shared experts")
-        _check(e.latent_dim is None or e.latent_dim > 0, "moe.latent_dim", e.latent_dim, "> 0 or null")
-        _check(0 <= e.first_k_dense <= self.num_layers, "moe.first_k_dense", e.first_k_dense,
-               f"[0, num_layers={self.num_layers}]")
+        _check(isinstance(e.num_shared_experts, int) and e.num_shared_experts >= 0, "moe.num_shared_experts",
+               e.num_shared_experts, ">= 0")
+        if e.num_shared_experts:
+            _positive(e, "shared_hidden", prefix="moe")
+        _check(e.latent_dim is None or (isinstance(e.latent_dim, int) and e.latent_dim > 0), "moe.latent_dim",
+               e.latent_dim, "> 0 or null")
+        _check(isinstance(e.first_k_dense, int) and 0 <= e.first_k_dense <= self.num_layers, "moe.first_k_dense",
+               e.first_k_dense, f"[0, num_layers={self.num_layers}]")
         _check(e.activation in ("situ", "swiglu"), "moe.activation", e.activation, "'situ' or 'swiglu'")
-        _check(e.routed_scaling_factor > 0, "moe.routed_scaling_factor", e.routed_scaling_factor, "> 0")
+        _check(_real(e.routed_scaling_factor) and e.routed_scaling_factor > 0, "moe.routed_scaling_factor",
+               e.routed_scaling_factor, "> 0")
 
         x = self.mx
         if x.enabled:
-            _check(x.block_size > 0, "mx.block_size", x.block_size, "> 0")
+            _positive(x, "block_size", prefix="mx")
             _check(x.weight_format in MX_WEIGHT_FORMATS, "mx.weight_format", x.weight_format,
                    " / ".join(MX_WEIGHT_FORMATS))
             _check(x.activation_format in MX_ACTIVATION_FORMATS, "mx.activation_format", x.activation_format,
@@ -270,7 +282,7 @@ class K3Config:
             if key in _SUBCONFIGS:
                 kwargs[key] = _build(_SUBCONFIGS[key], value, key)
             else:
-                kwargs[key] = list(value) if key == "mla_layers" and value is not None else value
+                kwargs[key] = value
         return cls(**kwargs)
 
     @classmethod
@@ -310,6 +322,16 @@ def _build(kind: type, value: Any, prefix: str) -> Any:
 def _check(ok: bool, name: str, value: Any, accepted: str) -> None:
     if not ok:
         raise ValueError(f"config.{name} = {value!r} is invalid: must be {accepted}")
+
+
+def _real(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _flags(obj: Any, *names: str, prefix: str = "") -> None:
+    for name in names:
+        value = getattr(obj, name)
+        _check(isinstance(value, bool), f"{prefix}.{name}" if prefix else name, value, "true or false")
 
 
 def _positive(obj: Any, *names: str, prefix: str = "") -> None:
@@ -484,17 +506,20 @@ def moe_layer_parameters(c: K3Config) -> tuple[int, int]:
     return common + e.num_experts * expert, common + e.num_experts_per_token * expert
 
 
-def vision_parameters(c: K3Config) -> int:
-    """MoonViT-V2 (SPEC §6): patch embedding, divided-attention blocks, merge projector (bias-free)."""
+def vision_parameters(c: K3Config) -> tuple[int, int]:
+    """MoonViT-V2 (SPEC §6), bias-free → (encoder, projector).
+
+    Encoder: patch embedding, divided-attention blocks (3 RMSNorms, spatial + temporal attention,
+    MLP), final norm. Projector: 2×2 merge → Linear–GELU–Linear → RMSNorm at width d.
+    """
     v = c.vision
     if not v.enabled:
-        return 0
+        return 0, 0
     h = v.hidden_size
     patch = v.in_channels * v.patch_size**2 * h
-    block = 3 * h + 2 * 4 * h * h + 2 * h * v.mlp_hidden  # 3 norms, spatial + temporal attention, MLP
+    block = 3 * h + 2 * 4 * h * h + 2 * h * v.mlp_hidden
     merged = v.merge_size**2 * h
-    projector = merged * merged + merged * v.out_dim + v.out_dim  # Linear-GELU-Linear-RMSNorm
-    return patch + v.num_layers * block + h + projector
+    return patch + v.num_layers * block + h, merged * merged + merged * v.out_dim + v.out_dim
 
 
 def count_parameters(c: K3Config) -> tuple[int, int]:
@@ -527,7 +552,8 @@ def _breakdown(c: K3Config) -> dict[str, tuple[int, int]]:
         "dense ffn": (n_dense * _glu(d, c.moe.dense_hidden),) * 2,
         "moe layers": (n_moe * moe_total, n_moe * moe_active),
         "norms + attnres": (depth, depth),
-        "vision": (vision_parameters(c), 0),
+        "vision encoder": (vision_parameters(c)[0], 0),
+        "vision projector": (vision_parameters(c)[1], 0),
     }
     parts["total"] = (sum(t for t, _ in parts.values()), sum(a for _, a in parts.values()))
     return parts

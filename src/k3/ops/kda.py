@@ -281,25 +281,23 @@ def chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: flo
     NC, BH, C = kc.shape[:3]
     # Blocks of chunks keep the intermediates cache-sized; the state is carried between them.
     block = max(1, _CHUNK_HEADS_PER_BLOCK // BH)
-    o = v.new_empty(B, NC * C, H, V, dtype=dtype)
-    for first in range(0, NC, block):
-        part = slice(first, first + block)
-        t = _chunk_terms(*(x[part].flatten(0, 1) for x in (qc, kc, vc, gc)), bc[part].flatten(0, 1)[..., 0],
-                         g_lowest)
+    outputs = []
+    # split (not slicing) so that backward assembles each input's gradient once, not once per block
+    for qb, kb, vb, gb, bb in zip(*(x.split(block) for x in (qc, kc, vc, gc, bc))):
+        t = _chunk_terms(qb.flatten(0, 1), kb.flatten(0, 1), vb.flatten(0, 1), gb.flatten(0, 1),
+                         bb.flatten(0, 1)[..., 0], g_lowest)
         nb = t["W"].shape[0] // BH
         W, U, decay = (t[name].view(nb, BH, *t[name].shape[1:]) for name in ("W", "U", "decay"))
         Kd_T, decay = t["Kd"].transpose(1, 2).view(nb, BH, K, C), decay.unsqueeze(-1)
         starts, values = [], []
-        for c in range(nb):  # the sequential part: two [C,K]x[K,V]-sized products per chunk
-            starts.append(S)
-            u = torch.baddbmm(U[c], W[c], S, alpha=-1)  # pseudo-values U - W S
+        for U_c, W_c, decay_c, Kd_T_c in zip(U.unbind(), W.unbind(), decay.unbind(), Kd_T.unbind()):
+            starts.append(S)  # the sequential part: two [C,K]x[K,V]-sized products per chunk
+            u = torch.baddbmm(U_c, W_c, S, alpha=-1)  # pseudo-values U - W S
             values.append(u)
-            S = torch.baddbmm(S * decay[c], Kd_T[c], u)
+            S = torch.baddbmm(S * decay_c, Kd_T_c, u)
         # O = scale · (Qe S₀ + Aqk (U - W S₀)) for every chunk of the block at once.
-        block_o = torch.baddbmm(t["Aqk"] @ torch.cat(values), t["Qe"], torch.cat(starts), beta=scale, alpha=scale)
-        o[:, first * C : (first + nb) * C] = block_o.view(nb, B, H, C, V).permute(1, 0, 3, 2, 4).reshape(
-            B, nb * C, H, V)
-    o = o[:, :T]
+        outputs.append(torch.baddbmm(t["Aqk"] @ torch.cat(values), t["Qe"], torch.cat(starts), beta=scale, alpha=scale))
+    o = torch.cat(outputs).view(NC, B, H, C, V).permute(1, 0, 3, 2, 4).reshape(B, NC * C, H, V)[:, :T]
     return o.to(v.dtype), S.view(B, H, K, V)
 
 
@@ -327,8 +325,8 @@ def segment_summary(k: Tensor, g: Tensor, beta: Tensor, v: Tensor,
         Kd_T = t["Kd"].transpose(1, 2)
         Mc = (torch.diag_embed(t["decay"]) - Kd_T @ t["W"]).view(NC, BH, K, K)  # S ↦ Mc S + Nc per chunk
         Nc = (Kd_T @ t["U"]).view(NC, BH, K, V)
-        for c in range(NC):
-            M, U = Mc[c] @ M, torch.baddbmm(Nc[c], Mc[c], U)
+        for M_c, N_c in zip(Mc.unbind(), Nc.unbind()):
+            M, U = M_c @ M, torch.baddbmm(N_c, M_c, U)
     return M.reshape(B, H, K, K), U.reshape(B, H, K, V)
 
 
