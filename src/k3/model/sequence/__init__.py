@@ -1,0 +1,1 @@
+"""Causal sequence mixers: ``forward(x, state) -> (y, state)`` with an explicit state."""

@@ -1,0 +1,134 @@
+"""The Kimi Delta Attention layer (SPEC §1, Eq. 1–6): projections, ShortConv, gates, recurrence, gated norm."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from k3.config import K3Config
+from k3.model.norm import RMSNorm
+from k3.ops import kda
+
+
+def _at_least_fp32(x: Tensor) -> Tensor:
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+@dataclass
+class KDAState:
+    """One KDA layer's causal state: the ShortConv window and the recurrent state."""
+
+    conv: Tensor  # [B, conv_size - 1, 2·H·d_k + H·d_v]: the last projected (pre-conv) inputs
+    recurrent: Tensor  # [B, H, d_k, d_v], fp32 (fp64 for an fp64 model)
+
+
+class ShortConv(nn.Module):
+    """Causal depthwise 1-D convolution without bias, then SiLU (SPEC §1).
+
+    One depthwise convolution over the concatenated q|k|v channels is exactly the three per-branch
+    convolutions. Its streaming state is the last ``width - 1`` inputs.
+    """
+
+    def __init__(self, channels: int, width: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, width))
+
+    def forward(self, x: Tensor, window: Tensor | None) -> tuple[Tensor, Tensor]:
+        """x ``[B, T, C]``, window ``[B, width-1, C]`` (zeros at the start) → (``[B, T, C]``, new window)."""
+        B, T, C = x.shape
+        width = self.weight.shape[1]
+        if window is None:
+            window = x.new_zeros(B, width - 1, C)
+        full = torch.cat([window.to(x.dtype), x], dim=1)
+        y = F.conv1d(full.transpose(1, 2), self.weight.unsqueeze(1).to(x.dtype), groups=C).transpose(1, 2)
+        return F.silu(y), full[:, full.shape[1] - (width - 1):]
+
+
+class KDALayer(nn.Module):
+    """KDA sequence mixer: ``forward(x, state) -> (y, state)``.
+
+    ``q = L2Norm(SiLU(Conv(x W_q)))``, ``k = L2Norm(SiLU(Conv(x W_k)))``, ``v = SiLU(Conv(x W_v))``; decay ``g``
+    from the low-rank ``x W_f1 W_f2`` through the bounded K3 gate (or Kimi Linear's softplus gate);
+    ``β = sigmoid(x W_b)``; the recurrence via `k3.ops.kda` (``chunked`` for T > 1, ``step`` for one
+    token with a state); per-head RMSNorm times ``sigmoid(gate)``, the gate full-rank (K3) or low-rank
+    ``g_a/g_b`` (Kimi Linear); output projection.
+    """
+
+    def __init__(self, config: K3Config) -> None:
+        super().__init__()
+        c, d = config.kda, config.hidden_size
+        self.num_heads, self.head_dim, self.value_dim = c.num_heads, c.head_dim, c.value_head_dim
+        self.gate, self.g_min, self.chunk_size = c.gate, c.g_min, c.chunk_size
+        self.eps = config.rms_norm_eps
+        self.initializer_range = config.initializer_range
+        hk, hv = c.num_heads * c.head_dim, c.num_heads * c.value_head_dim
+        self.q_proj = nn.Linear(d, hk, bias=False)
+        self.k_proj = nn.Linear(d, hk, bias=False)
+        self.v_proj = nn.Linear(d, hv, bias=False)
+        self.conv = ShortConv(2 * hk + hv, c.conv_size)
+        self.f_a_proj = nn.Linear(d, c.decay_rank, bias=False)
+        self.f_b_proj = nn.Linear(c.decay_rank, hk, bias=False)
+        self.A_log = nn.Parameter(torch.empty(c.num_heads))
+        self.dt_bias = nn.Parameter(torch.empty(hk))
+        self.b_proj = nn.Linear(d, c.num_heads, bias=False)
+        if c.output_gate_rank:
+            self.g_a_proj = nn.Linear(d, c.output_gate_rank, bias=False)
+            self.g_b_proj = nn.Linear(c.output_gate_rank, hv, bias=False)
+        else:
+            self.g_proj = nn.Linear(d, hv, bias=False)
+        self.o_norm = RMSNorm(c.value_head_dim, config.rms_norm_eps)
+        self.o_proj = nn.Linear(hv, d, bias=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Linear weights ~ N(0, initializer_range); fla's decay init (A = U[1, 16], dt = logU[1e-3, 1e-1])."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=self.initializer_range)
+        nn.init.normal_(self.conv.weight, std=1.0 / math.sqrt(self.conv.weight.shape[1]))
+        with torch.no_grad():
+            self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1.0, 16.0).log())
+            dt = torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(1e-1)).exp().clamp_min(1e-4)
+            self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
+
+    def new_state(self, batch_size: int, device: torch.device | None = None,
+                  dtype: torch.dtype | None = None) -> KDAState:
+        dtype = dtype or self.q_proj.weight.dtype
+        channels, width = self.conv.weight.shape
+        return KDAState(
+            conv=torch.zeros(batch_size, width - 1, channels, device=device, dtype=dtype),
+            recurrent=torch.zeros(batch_size, self.num_heads, self.head_dim, self.value_dim, device=device,
+                                  dtype=torch.promote_types(dtype, torch.float32)),
+        )
+
+    def decay(self, x: Tensor) -> Tensor:
+        """The per-channel log-decay ``g`` ``[B, T, H, d_k]`` (fp32) from the layer input."""
+        z = self.f_b_proj(self.f_a_proj(x)).unflatten(-1, (self.num_heads, self.head_dim))
+        if self.gate == "bounded":
+            return kda.bounded_decay(z, self.A_log, self.dt_bias, self.g_min)
+        return kda.softplus_decay(z, self.A_log, self.dt_bias)
+
+    def forward(self, x: Tensor, state: KDAState | None) -> tuple[Tensor, KDAState | None]:
+        B, T, _ = x.shape
+        H, K, V = self.num_heads, self.head_dim, self.value_dim
+        qkv, window = self.conv(torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1),
+                                None if state is None else state.conv)
+        q, k, v = qkv.split([H * K, H * K, H * V], dim=-1)
+        q, k = kda.l2norm(q.unflatten(-1, (H, K))), kda.l2norm(k.unflatten(-1, (H, K)))
+        v = v.unflatten(-1, (H, V))
+        g = self.decay(x)
+        beta = torch.sigmoid(_at_least_fp32(self.b_proj(x)))
+        initial = None if state is None else state.recurrent
+        if T == 1 and initial is not None:
+            o, final = kda.step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], initial)
+            o = o.unsqueeze(1)
+        else:
+            o, final = kda.chunked(q, k, v, g, beta, initial_state=initial, chunk_size=self.chunk_size)
+        gate = self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))
+        o = self.o_norm(_at_least_fp32(o)) * torch.sigmoid(_at_least_fp32(gate.unflatten(-1, (H, V))))
+        y = self.o_proj(o.flatten(2).to(x.dtype))
+        return y, None if state is None else KDAState(conv=window, recurrent=final)
