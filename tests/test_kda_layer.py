@@ -128,6 +128,8 @@ def test_paper_size_on_meta():
 
 
 def test_initial_retention_is_long_and_bounded():
+    """fla's decay init starts most channels near retention 1 (long memory), all within the floor."""
     layer = KDALayer(config())
     g = layer.decay(torch.randn(1, 50, 64))
-    assert (g > -5).all() and (g < 0).all()
+    assert (g > -5).all() and (g <= 0).all()  # sigmoid may round to 0 in fp32: retention exactly 1
+    assert g.exp().median() > 0.9

@@ -1,0 +1,1 @@
+"""Converters between peer model families and K3."""

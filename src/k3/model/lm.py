@@ -1,0 +1,104 @@
+"""`K3ForCausalLM`: embedding, the KDA/MLA layer schedule over Block AttnRes depth, final norm, LM head.
+
+``forward(input_ids | inputs_embeds, state) -> (logits, state)``: with a `DecoderState` the call
+continues from it and returns the advanced state (the passed state is not modified); calling token by
+token, in chunks, or on any split of the sequence gives the same logits and final state as one call.
+Without a state (training) nothing is cached and the returned state is None.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from k3.config import K3Config
+from k3.model.depth import BlockAttnRes, Residual
+from k3.model.norm import RMSNorm
+from k3.model.sequence.kda import KDALayer
+from k3.model.sequence.mla import GatedMLA
+from k3.model.state import DecoderState
+from k3.model.width import build_ffn
+
+
+class DecoderLayer(nn.Module):
+    """One backbone layer (SPEC §3): retrieve → RMSNorm → KDA/MLA → retrieve again → RMSNorm → FFN/MoE → commit."""
+
+    def __init__(self, config: K3Config, index: int) -> None:
+        super().__init__()
+        d = config.hidden_size
+        self.kind = config.layer_kinds()[index]
+        self.mixer = KDALayer(config) if self.kind == "kda" else GatedMLA(config)
+        self.ffn = build_ffn(config, index)
+        self.mixer_norm = RMSNorm(d, config.rms_norm_eps)
+        self.ffn_norm = RMSNorm(d, config.rms_norm_eps)
+        # AttnRes pseudo-queries, zero-initialised: uniform weights over the depth sources at the start.
+        self.mixer_query = nn.Parameter(torch.zeros(d)) if config.attn_res.enabled else None
+        self.ffn_query = nn.Parameter(torch.zeros(d)) if config.attn_res.enabled else None
+
+    def forward(self, depth: BlockAttnRes | Residual, state):
+        a, state = self.mixer(self.mixer_norm(depth.retrieve(self.mixer_query)), state)
+        f = self.ffn(self.ffn_norm(depth.retrieve_after(a, self.ffn_query)))
+        return depth.commit(a, f), state
+
+
+class K3ForCausalLM(nn.Module):
+    def __init__(self, config: K3Config) -> None:
+        super().__init__()
+        self.config = config.validate()
+        d = config.hidden_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, d)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.final_query = nn.Parameter(torch.zeros(d)) if config.attn_res.enabled else None
+        self.norm = RMSNorm(d, config.rms_norm_eps)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(d, config.vocab_size, bias=False)
+        nn.init.normal_(self.embed_tokens.weight, std=config.initializer_range)
+        if self.lm_head is not None:
+            nn.init.normal_(self.lm_head.weight, std=config.initializer_range)
+
+    def new_state(self, batch_size: int, device: torch.device | str | None = None,
+                  dtype: torch.dtype | None = None) -> DecoderState:
+        """An empty state (no tokens consumed) for ``batch_size`` sequences."""
+        device = device if device is not None else self.embed_tokens.weight.device
+        dtype = dtype or self.embed_tokens.weight.dtype
+        return DecoderState([layer.mixer.new_state(batch_size, device=device, dtype=dtype) for layer in self.layers])
+
+    def embed(self, input_ids: Tensor | None, inputs_embeds: Tensor | None) -> Tensor:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids or inputs_embeds")
+        d, vocab = self.config.hidden_size, self.config.vocab_size
+        if inputs_embeds is not None:
+            if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != d or not inputs_embeds.is_floating_point():
+                raise ValueError(f"inputs_embeds: expected a float tensor [B, T, {d}], got "
+                                 f"{inputs_embeds.dtype} {list(inputs_embeds.shape)}")
+            return inputs_embeds
+        if input_ids.dim() != 2 or input_ids.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"input_ids: expected an integer tensor [B, T], got {input_ids.dtype} "
+                             f"{list(input_ids.shape)}")
+        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab):
+            raise ValueError(f"input_ids: token ids must lie in [0, vocab_size={vocab}), got "
+                             f"[{int(input_ids.min())}, {int(input_ids.max())}]")
+        return self.embed_tokens(input_ids)
+
+    def forward(self, input_ids: Tensor | None = None, inputs_embeds: Tensor | None = None,
+                state: DecoderState | None = None) -> tuple[Tensor, DecoderState | None]:
+        x = self.embed(input_ids, inputs_embeds)
+        B, T = x.shape[:2]
+        if T == 0:
+            raise ValueError("input_ids: the sequence is empty (T = 0)")
+        if state is not None:
+            if len(state.layers) != len(self.layers) or state.batch_size != B:
+                raise ValueError(f"state: expected {len(self.layers)} layers and batch size {B}, got "
+                                 f"{len(state.layers)} layers and batch size {state.batch_size}")
+        cfg = self.config
+        depth = (BlockAttnRes.start(x, cfg.attn_res.block_size, cfg.rms_norm_eps) if cfg.attn_res.enabled
+                 else Residual.start(x))
+        layer_states = []
+        for i, layer in enumerate(self.layers):
+            depth, layer_state = layer(depth, None if state is None else state.layers[i])
+            layer_states.append(layer_state)
+        h = self.norm(depth.retrieve(self.final_query))
+        logits = h @ self.embed_tokens.weight.T if self.lm_head is None else self.lm_head(h)
+        if state is None:
+            return logits, None
+        last_sources = depth.stacked()[:, :, -1].transpose(0, 1)  # [B, S, d]
+        return logits, DecoderState(layer_states, last_sources, state.position + T)

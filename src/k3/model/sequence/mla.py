@@ -1,0 +1,214 @@
+"""Gated Multi-head Latent Attention without positional encoding (SPEC §2, Eq. 7).
+
+Per token ``x`` (width d), per head h::
+
+    c_q  = RMSNorm(x W_dq)                    q_h = [c_q W_qc_h ; c_q W_qs_h]     (content ; shared-key part)
+    c_kv = RMSNorm(x W_dkv)   k_s = x W_ks    k_h = [c_kv W_uk_h ; k_s]           v_h = c_kv W_uv_h
+    o_h  = softmax_causal(q_h · k_h · (d_nope + d_shared)^-1/2) v_h
+    y    = Σ_h (sigmoid(x W_gate)_h ⊙ o_h) W_o_h
+
+Nothing is rotated (NoPE): the shared key ``k_s`` carries no position and is shared by all heads.
+The per-layer cache is ``(c_kv, k_s)``: ``kv_lora_rank + qk_shared_head_dim`` scalars per token
+(576 at paper size). Two equal ways to attend over it:
+
+* `GatedMLA._attend_full` reconstructs per-head keys and values (training, prefill, verify);
+* `GatedMLA._attend_absorbed` stays in latent space (decode): ``W_uk`` is absorbed into the query and
+  ``W_uv`` applied after the weighted sum, so each cached token costs one 576-wide dot (SPEC §9).
+
+Weight names follow the peers (transformers ``KimiLinearAttention``, DeepSeek-V3): ``kv_b_proj``'s
+output is ``[k_content ; v]`` per head, ``W_dkv`` and ``W_ks`` are the two column blocks of ``kv_a_proj``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from k3.config import K3Config
+from k3.model.norm import RMSNorm
+
+__all__ = ["MLACache", "GatedMLA"]
+
+PATHS = ("full", "absorbed")
+
+
+@dataclass(frozen=True)
+class MLACache:
+    """The whole per-layer MLA cache (SPEC §2): ``kv_lora_rank + qk_shared_head_dim`` scalars per token.
+
+    ``latent`` ``[B, L, kv_lora_rank]`` is the RMS-normalised ``c_kv``; ``shared_key``
+    ``[B, L, qk_shared_head_dim]`` is the unrotated shared key ``k_s``. Values are immutable:
+    `append` returns a new cache and never writes into existing tensors.
+    """
+
+    latent: Tensor
+    shared_key: Tensor
+
+    @property
+    def length(self) -> int:
+        """Number of cached tokens L."""
+        return self.latent.shape[1]
+
+    def append(self, latent: Tensor, shared_key: Tensor) -> MLACache:
+        """A new cache with ``[B, T, ·]`` entries appended after the current L."""
+        return MLACache(torch.cat([self.latent, latent], dim=1), torch.cat([self.shared_key, shared_key], dim=1))
+
+
+class GatedMLA(nn.Module):
+    """Gated MLA sequence mixer (SPEC §2, Eq. 7): ``forward(x, state) -> (y, state)``.
+
+    Parameters (all bias-free): the query ``q_proj`` or ``q_a_proj → q_a_norm → q_b_proj``;
+    ``kv_a_proj`` (``[W_dkv | W_ks]``), ``kv_a_norm``; ``kv_b_proj`` (``[W_uk_h ; W_uv_h]`` per head);
+    ``g_proj`` (the sigmoid output gate, only with ``mla.output_gate``); ``o_proj``.
+    """
+
+    def __init__(self, config: K3Config) -> None:
+        super().__init__()
+        m = config.mla
+        d, H = config.hidden_size, m.num_heads
+        self.hidden_size = d
+        self.num_heads = H
+        self.q_lora_rank = m.q_lora_rank
+        self.kv_lora_rank = m.kv_lora_rank
+        self.nope_dim = m.qk_nope_head_dim
+        self.shared_dim = m.qk_shared_head_dim
+        self.v_dim = m.v_head_dim
+        self.scale = (m.qk_nope_head_dim + m.qk_shared_head_dim) ** -0.5
+        self.initializer_range = config.initializer_range
+        qk = H * (m.qk_nope_head_dim + m.qk_shared_head_dim)
+
+        if m.q_lora_rank is None:
+            self.q_proj = nn.Linear(d, qk, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(d, m.q_lora_rank, bias=False)
+            self.q_a_norm = RMSNorm(m.q_lora_rank, eps=config.rms_norm_eps)
+            self.q_b_proj = nn.Linear(m.q_lora_rank, qk, bias=False)
+        self.kv_a_proj = nn.Linear(d, m.kv_lora_rank + m.qk_shared_head_dim, bias=False)
+        self.kv_a_norm = RMSNorm(m.kv_lora_rank, eps=config.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(m.kv_lora_rank, H * (m.qk_nope_head_dim + m.v_head_dim), bias=False)
+        self.g_proj = nn.Linear(d, H * m.v_head_dim, bias=False) if m.output_gate else None
+        self.o_proj = nn.Linear(H * m.v_head_dim, d, bias=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Linear weights ~ N(0, initializer_range); RMSNorm gains 1."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, mean=0.0, std=self.initializer_range)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+
+    def new_state(self, batch_size: int, device: torch.device | str | None = None,
+                  dtype: torch.dtype | None = None) -> MLACache:
+        """An empty cache (L = 0) on the parameters' device and dtype unless given."""
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size: expected a positive integer, got {batch_size!r}")
+        weight = self.kv_a_proj.weight
+        device = weight.device if device is None else device
+        dtype = weight.dtype if dtype is None else dtype
+        return MLACache(torch.zeros(batch_size, 0, self.kv_lora_rank, device=device, dtype=dtype),
+                        torch.zeros(batch_size, 0, self.shared_dim, device=device, dtype=dtype))
+
+    def forward(self, x: Tensor, state: MLACache | None = None, *,
+                path: str | None = None) -> tuple[Tensor, MLACache | None]:
+        """Attend causally over ``x`` ``[B, T, d]`` and, given a state, over the cache before it.
+
+        ``state=None`` (training): causal within x; returns ``(y, None)``. With a state the tokens'
+        ``(c_kv, k_s)`` are appended before attending (query i sees cache positions ≤ L0 + i) and the
+        new cache is returned; the passed-in state is untouched. ``path`` forces "full" or
+        "absorbed"; by default decode (a state and T == 1) is absorbed and everything else full.
+        """
+        self._check_inputs(x, state, path)
+        B, T, _ = x.shape
+        q, c_kv, k_s = self._project(x)
+        cache = MLACache(c_kv, k_s) if state is None else state.append(c_kv, k_s)
+        absorbed = path == "absorbed" if path is not None else (state is not None and T == 1)
+        o = self._attend_absorbed(q, cache) if absorbed else self._attend_full(q, cache)
+        if self.g_proj is not None:
+            o = o * torch.sigmoid(self.g_proj(x)).view(B, T, self.num_heads, self.v_dim)
+        y = self.o_proj(o.reshape(B, T, self.num_heads * self.v_dim))
+        return y, (None if state is None else cache)
+
+    # ------------------------------------------------------------------ pieces of Eq. 7
+    def _project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Queries ``[B, H, T, nope + shared]`` and the tokens' cache entries c_kv ``[B, T, r]``, k_s ``[B, T, s]``."""
+        B, T, _ = x.shape
+        q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_norm(self.q_a_proj(x)))
+        q = q.view(B, T, self.num_heads, self.nope_dim + self.shared_dim).transpose(1, 2)
+        c_kv, k_s = self.kv_a_proj(x).split([self.kv_lora_rank, self.shared_dim], dim=-1)
+        return q, self.kv_a_norm(c_kv), k_s
+
+    def _up_weights(self) -> tuple[Tensor, Tensor]:
+        """Views ``W_uk`` ``[H, nope, r]`` and ``W_uv`` ``[H, v, r]`` of ``kv_b_proj.weight`` (no copies)."""
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        return w[:, : self.nope_dim], w[:, self.nope_dim :]
+
+    @staticmethod
+    def _visible(T: int, L: int, device: torch.device) -> Tensor:
+        """``[T, L]`` boolean mask: query i (absolute position L - T + i) sees cache positions ≤ L - T + i."""
+        return torch.arange(L, device=device) <= torch.arange(L - T, L, device=device)[:, None]
+
+    def _attend_full(self, q: Tensor, cache: MLACache) -> Tensor:
+        """Per-head keys ``[c_kv W_uk_h ; k_s]`` and values ``c_kv W_uv_h`` for all L positions, then SDPA.
+
+        ``q`` ``[B, H, T, nope + shared]`` are the last T positions of ``cache``; returns ``[B, T, H, v]``.
+        SDPA keeps the softmax in at least fp32 on every backend (half inputs are accumulated in fp32).
+        """
+        B, H, T, _ = q.shape
+        L = cache.length
+        kv = self.kv_b_proj(cache.latent).view(B, L, H, self.nope_dim + self.v_dim).transpose(1, 2)
+        k_content, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
+        k = torch.cat([k_content, cache.shared_key.unsqueeze(1).expand(B, H, L, self.shared_dim)], dim=-1)
+        mask = None if L == T else self._visible(T, L, q.device)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=L == T, scale=self.scale)
+        return o.transpose(1, 2)
+
+    def _attend_absorbed(self, q: Tensor, cache: MLACache) -> Tensor:
+        """Latent-space attention: score ``q̃_h · c_kv + q_shared_h · k_s`` with ``q̃_h = W_uk_hᵀ q_content_h``.
+
+        The weighted sum of c_kv is taken in latent space and ``W_uv_h`` applied last. Same inputs
+        and output layout as `_attend_full`. Computes in at least fp32, like SDPA: fp16/bf16 operands
+        are upcast (a no-op for fp32/fp64), since 576-wide scores rounded to bf16 before the softmax
+        are about ten times less accurate than the full path.
+        """
+        T, L = q.shape[2], cache.length
+        dtype = torch.promote_types(q.dtype, torch.float32)
+        w_uk, w_uv = (w.to(dtype) for w in self._up_weights())
+        latent, shared_key = cache.latent.to(dtype), cache.shared_key.to(dtype)
+        q_content, q_shared = q.to(dtype).split([self.nope_dim, self.shared_dim], dim=-1)
+        q_latent = torch.einsum("bhtn,hnr->bhtr", q_content, w_uk)
+        scores = (torch.einsum("bhtr,blr->bhtl", q_latent, latent)
+                  + torch.einsum("bhts,bls->bhtl", q_shared, shared_key)) * self.scale
+        if T > 1:
+            scores = scores.masked_fill(~self._visible(T, L, q.device), float("-inf"))
+        o_latent = torch.einsum("bhtl,blr->bhtr", torch.softmax(scores, dim=-1), latent)
+        return torch.einsum("bhtr,hvr->bthv", o_latent, w_uv).to(q.dtype)
+
+    # ------------------------------------------------------------------ validation
+    def _check_inputs(self, x: Tensor, state: MLACache | None, path: str | None) -> None:
+        d = self.hidden_size
+        if not isinstance(x, Tensor) or x.dim() != 3 or x.shape[-1] != d or not x.is_floating_point():
+            got = f"{x.dtype} {list(x.shape)}" if isinstance(x, Tensor) else type(x).__name__
+            raise ValueError(f"x: expected a float tensor [B, T, hidden_size={d}], got {got}")
+        if x.shape[0] == 0 or x.shape[1] == 0:
+            raise ValueError(f"x: expected at least one sequence and one token, got shape {list(x.shape)}")
+        if path is not None and path not in PATHS:
+            raise ValueError(f"path: expected one of {PATHS} or None, got {path!r}")
+        if state is None:
+            return
+        if not isinstance(state, MLACache):
+            raise ValueError(f"state: expected an MLACache or None, got {type(state).__name__}")
+        B = x.shape[0]
+        for name, t, width in (("latent", state.latent, self.kv_lora_rank),
+                               ("shared_key", state.shared_key, self.shared_dim)):
+            if not isinstance(t, Tensor) or t.dim() != 3 or t.shape[0] != B or t.shape[2] != width:
+                got = list(t.shape) if isinstance(t, Tensor) else type(t).__name__
+                raise ValueError(f"state: {name} must be [B={B}, L, {width}], got {got}")
+            if t.dtype != x.dtype or t.device != x.device:
+                raise ValueError(f"state: {name} is {t.dtype} on {t.device}, x is {x.dtype} on {x.device}")
+        if state.shared_key.shape[1] != state.latent.shape[1]:
+            raise ValueError(f"state: latent holds {state.latent.shape[1]} tokens, "
+                             f"shared_key {state.shared_key.shape[1]}")

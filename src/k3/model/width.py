@@ -1,0 +1,240 @@
+"""The width axis: how one token is transformed (SPEC §4, Eq. 11–13, 18–19; dispatch notes §9).
+
+Dense SiTU-GLU / SwiGLU feed-forward layers, the sigmoid top-k router with a selection-only
+balancing bias, sort-by-expert dispatch of the routed experts, and Stable LatentMoE.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from k3.config import K3Config, SiTUConfig
+from k3.model.norm import RMSNorm
+
+ACTIVATIONS = ("situ", "swiglu")
+
+
+def soft_cap(x: Tensor, cap: float) -> Tensor:
+    """``cap · tanh(x / cap)``: smooth, odd, |·| < cap, ≈ x near 0 (SPEC Eq. 11)."""
+    return cap * torch.tanh(x / cap)
+
+
+def situ(gate: Tensor, up: Tensor, gate_cap: float, up_cap: float) -> Tensor:
+    """SiTU (SPEC Eq. 12–13): ``softCap(g, c_g) · sigmoid(g) · softCap(u, c_u)``, bounded by c_g·c_u.
+
+    The sigmoid sees the *uncapped* gate.
+    """
+    return soft_cap(gate, gate_cap) * torch.sigmoid(gate) * soft_cap(up, up_cap)
+
+
+def _activate(gate: Tensor, up: Tensor, activation: str, gate_cap: float, up_cap: float) -> Tensor:
+    if activation == "situ":
+        return situ(gate, up, gate_cap, up_cap)
+    return F.silu(gate) * up
+
+
+def _check_activation(activation: str) -> None:
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation = {activation!r} is invalid: must be one of {ACTIVATIONS}")
+
+
+class GLU(nn.Module):
+    """Bias-free gated FFN ``down(act(gate(x), up(x)))`` with act SiTU or SwiGLU (SPEC Eq. 18).
+
+    Serves as the dense FFN and as the shared experts: n shared experts of hidden F sum to
+    exactly one GLU of hidden n·F (their gate/up rows and down columns concatenate).
+    """
+
+    def __init__(self, d_in: int, hidden: int, activation: str, situ: SiTUConfig, std: float = 0.02) -> None:
+        super().__init__()
+        _check_activation(activation)
+        self.activation = activation
+        self.gate_cap, self.up_cap = situ.gate_cap, situ.up_cap
+        self.std = std
+        self.gate_proj = nn.Linear(d_in, hidden, bias=False)
+        self.up_proj = nn.Linear(d_in, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, d_in, bias=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for proj in (self.gate_proj, self.up_proj, self.down_proj):
+            nn.init.normal_(proj.weight, std=self.std)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = _activate(self.gate_proj(x), self.up_proj(x), self.activation, self.gate_cap, self.up_cap)
+        return self.down_proj(h)
+
+
+class Router(nn.Module):
+    """Sigmoid top-k router (SPEC §4): ``s = sigmoid(x W_r)``, route = top_k(s + b), p_j = s_j / Σ_route s.
+
+    The balancing bias ``b`` (a persistent buffer, written by quantile balancing, SPEC §5) only
+    selects; the mixture weights are the raw scores renormalised. Weight and bias never drop
+    below fp32 (SPEC §9): half-precision casts of the module leave them fp32, and scores are
+    computed in ``promote(x.dtype, fp32)``.
+
+    Ties in ``s + b`` go to the lower expert index (a stable descending sort; `torch.topk`
+    leaves tie order unspecified). After each forward, ``last_scores`` [N, n] and
+    ``last_load`` (int64 [n], pairs routed to each expert) hold detached statistics.
+    """
+
+    last_scores: Tensor | None
+    last_load: Tensor | None
+
+    def __init__(self, d: int, n_experts: int, k: int, std: float = 0.02) -> None:
+        super().__init__()
+        if not 1 <= k <= n_experts:
+            raise ValueError(f"top-k = {k} is invalid: must be in [1, n_experts={n_experts}]")
+        self.k, self.std = k, std
+        self.weight = nn.Parameter(torch.empty(n_experts, d, dtype=torch.float32))
+        self.register_buffer("balance_bias", torch.zeros(n_experts, dtype=torch.float32))
+        self.last_scores = None
+        self.last_load = None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, std=self.std)
+        nn.init.zeros_(self.balance_bias)
+
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> Router:
+        super()._apply(fn, recurse)
+        for t in (self.weight, self.balance_bias):
+            if t.dtype in (torch.float16, torch.bfloat16):
+                t.data = t.data.float()
+        return self
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x [N, d] → (weights [N, k], indices [N, k] int64, scores [N, n]), weights/scores ≥ fp32."""
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        scores = torch.sigmoid(x.to(dtype) @ self.weight.to(dtype).T)
+        biased = scores + self.balance_bias.to(dtype)
+        indices = torch.sort(biased, dim=-1, descending=True, stable=True).indices[:, : self.k]
+        chosen = scores.gather(-1, indices)
+        weights = chosen / chosen.sum(-1, keepdim=True)
+        self.last_scores = scores.detach()
+        self.last_load = torch.bincount(indices.flatten(), minlength=scores.shape[-1]).detach()
+        return weights, indices, scores
+
+    def extra_repr(self) -> str:
+        n, d = self.weight.shape
+        return f"d={d}, n_experts={n}, k={self.k}"
+
+
+class Experts(nn.Module):
+    """E routed gated experts, stacked: ``gate_up`` [E, 2F, W] (rows :F gate, F: up; the layout of
+    transformers' KimiLinearExperts.gate_up_proj) and ``down`` [E, W, F].
+
+    Dispatch (SPEC §9): the N·k token–expert pairs are sorted by expert (stable), each expert with
+    at least one pair runs once on its contiguous slice, outputs are scaled by the pair weight and
+    scatter-added back per token, accumulating in ``promote(x.dtype, weights.dtype)``.
+    """
+
+    def __init__(
+        self, n_experts: int, width: int, hidden: int, activation: str, situ: SiTUConfig, std: float = 0.02
+    ) -> None:
+        super().__init__()
+        _check_activation(activation)
+        self.activation = activation
+        self.gate_cap, self.up_cap = situ.gate_cap, situ.up_cap
+        self.hidden, self.std = hidden, std
+        self.gate_up = nn.Parameter(torch.empty(n_experts, 2 * hidden, width))
+        self.down = nn.Parameter(torch.empty(n_experts, width, hidden))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.gate_up, std=self.std)
+        nn.init.normal_(self.down, std=self.std)
+
+    def forward(self, x: Tensor, weights: Tensor, indices: Tensor) -> Tensor:
+        """x [N, W], weights [N, k], indices [N, k] → Σ_j weights_j · Expert_{indices_j}(x), [N, W] in x.dtype."""
+        n_tokens, k = indices.shape
+        flat = indices.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        token = order // k
+        counts = torch.bincount(flat, minlength=self.gate_up.shape[0]).tolist()
+        outputs = []
+        for e, xs in enumerate(x[token].split(counts)):
+            if xs.shape[0] == 0:
+                continue
+            gate, up = (xs @ self.gate_up[e].T).split(self.hidden, dim=-1)
+            h = _activate(gate, up, self.activation, self.gate_cap, self.up_cap)
+            outputs.append(h @ self.down[e].T)
+        acc = torch.promote_types(x.dtype, weights.dtype)
+        y = torch.cat(outputs) if outputs else x.new_zeros(0, x.shape[-1])  # outputs is empty iff N = 0
+        y = y.to(acc) * weights.reshape(-1)[order, None].to(acc)
+        out = torch.zeros(n_tokens, x.shape[-1], dtype=acc, device=x.device)
+        return out.index_add_(0, token, y).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        n, _, width = self.gate_up.shape
+        return f"n_experts={n}, width={width}, hidden={self.hidden}, activation={self.activation}"
+
+
+class LatentMoE(nn.Module):
+    """Stable LatentMoE (SPEC §4, Eq. 19):
+    ``y = shared(x) + α · latent_up(RMSNorm(Σ_{j∈route} p_j Expert_j(latent_down(x))))``.
+
+    Routing sees x at width d in ≥ fp32; routed experts work at the latent width ℓ, shared
+    experts (one GLU of hidden n_shared·F_shared) at d. With ``moe.latent_dim = None`` (plain MoE,
+    Kimi Linear) there are no latent modules and the experts work at d: ``y = shared(x) + α·Σ p_j E_j(x)``.
+    α is ``moe.routed_scaling_factor``.
+    """
+
+    def __init__(self, config: K3Config) -> None:
+        super().__init__()
+        moe, d, std = config.moe, config.hidden_size, config.initializer_range
+        self.std = std
+        self.routed_scaling_factor = moe.routed_scaling_factor
+        self.router = Router(d, moe.num_experts, moe.num_experts_per_token, std)
+        self.shared = (
+            GLU(d, moe.num_shared_experts * moe.shared_hidden, moe.activation, config.situ, std)
+            if moe.num_shared_experts
+            else None
+        )
+        width = d
+        self.latent_down: nn.Linear | None = None
+        self.latent_norm: RMSNorm | None = None
+        self.latent_up: nn.Linear | None = None
+        if moe.latent_dim is not None:
+            width = moe.latent_dim
+            self.latent_down = nn.Linear(d, width, bias=False)
+            self.latent_norm = RMSNorm(width, config.rms_norm_eps)
+            self.latent_up = nn.Linear(width, d, bias=False)
+        self.experts = Experts(moe.num_experts, width, moe.expert_hidden, moe.activation, config.situ, std)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """normal(0, initializer_range) for every matrix, norm gain 1, balancing bias 0."""
+        self.router.reset_parameters()
+        self.experts.reset_parameters()
+        if self.shared is not None:
+            self.shared.reset_parameters()
+        if self.latent_down is not None:
+            nn.init.normal_(self.latent_down.weight, std=self.std)
+            nn.init.normal_(self.latent_up.weight, std=self.std)
+            nn.init.ones_(self.latent_norm.weight)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x [..., d] → [..., d]."""
+        flat = x.reshape(-1, x.shape[-1])
+        weights, indices, _ = self.router(flat)
+        h = flat if self.latent_down is None else self.latent_down(flat)
+        routed = self.experts(h, weights, indices)
+        if self.latent_up is not None:
+            routed = self.latent_up(self.latent_norm(routed))
+        y = self.routed_scaling_factor * routed
+        if self.shared is not None:
+            y = self.shared(flat) + y
+        return y.reshape(x.shape)
+
+
+def build_ffn(config: K3Config, layer_index: int) -> nn.Module:
+    """The FFN of 0-based layer ``layer_index``: a dense GLU or a LatentMoE per `K3Config.ffn_kinds`."""
+    if config.ffn_kinds()[layer_index] == "dense":
+        moe = config.moe
+        return GLU(config.hidden_size, moe.dense_hidden, moe.activation, config.situ, config.initializer_range)
+    return LatentMoE(config)

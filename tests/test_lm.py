@@ -1,0 +1,209 @@
+"""K3ForCausalLM and DecoderState: one function whether run whole, chunked or token by token (SPEC §1–4)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from k3 import K3ForCausalLM
+from k3.config import AttnResConfig, K3Config, parameter_breakdown, preset
+from k3.model.state import DecoderState
+
+
+def every_path() -> K3Config:
+    """Dense + MoE, KDA (both gates appear across configs) + MLA, several AttnRes blocks and a partial one."""
+    c = preset("tiny")
+    c.num_layers = 7  # MLA at layers 4 and 7
+    c.attn_res = AttnResConfig(block_size=3)  # 2 complete blocks + a partial of 1
+    c.moe = dataclasses.replace(c.moe, first_k_dense=2, num_shared_experts=2)
+    c.mla = dataclasses.replace(c.mla, q_lora_rank=None)
+    c.kda = dataclasses.replace(c.kda, output_gate_rank=8)
+    return c.validate()
+
+
+def plain_residual() -> K3Config:
+    c = preset("tiny")
+    c.attn_res = AttnResConfig(enabled=False)
+    c.kda = dataclasses.replace(c.kda, gate="softplus")
+    c.moe = dataclasses.replace(c.moe, activation="swiglu", latent_dim=None, routed_scaling_factor=2.0)
+    c.mla = dataclasses.replace(c.mla, output_gate=False)
+    return c.validate()
+
+
+CONFIGS = {"tiny": lambda: preset("tiny"), "every-path": every_path, "plain-residual": plain_residual}
+
+
+def model(name: str, dtype=torch.float32, seed=0) -> K3ForCausalLM:
+    torch.manual_seed(seed)
+    m = K3ForCausalLM(CONFIGS[name]()).to(dtype)
+    with torch.no_grad():  # non-zero pseudo-queries so the depth softmax is not uniform
+        for n, p in m.named_parameters():
+            if n.endswith("_query"):
+                p.normal_(0, 0.5)
+    return m.eval()
+
+
+def assert_same_state(a: DecoderState, b: DecoderState, **tol):
+    ta, tb = a.tensors(), b.tensors()
+    assert ta.keys() == tb.keys() and a.position == b.position
+    for name in ta:
+        torch.testing.assert_close(ta[name], tb[name], **tol, msg=name)
+
+
+TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float64: dict(atol=1e-9, rtol=1e-9)}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_token_by_token_and_chunked_prefill_equal_one_call(name, dtype):
+    m = model(name, dtype)
+    ids = torch.randint(0, 256, (2, 23))
+    with torch.no_grad():
+        logits, state = m(ids, state=m.new_state(2))
+        stateless, none = m(ids)
+        assert none is None
+        torch.testing.assert_close(stateless, logits, **TOL[dtype])
+        steps, s = [], m.new_state(2)
+        for t in range(ids.shape[1]):
+            out, s = m(ids[:, t : t + 1], state=s)
+            steps.append(out)
+        torch.testing.assert_close(torch.cat(steps, 1), logits, **TOL[dtype])
+        assert_same_state(s, state, **TOL[dtype])
+        chunks, s = [], m.new_state(2)
+        for part in ids.split(5, dim=1):
+            out, s = m(part, state=s)
+            chunks.append(out)
+        torch.testing.assert_close(torch.cat(chunks, 1), logits, **TOL[dtype])
+        assert_same_state(s, state, **TOL[dtype])
+
+
+@settings(max_examples=10, deadline=None)
+@given(name=st.sampled_from(list(CONFIGS)), T=st.integers(2, 30), data=st.data())
+def test_any_split_carries_the_state(name, T, data):
+    m = model(name, torch.float64)
+    split = data.draw(st.integers(1, T - 1), label="split")
+    ids = torch.randint(0, 256, (1, T), generator=torch.Generator().manual_seed(T))
+    with torch.no_grad():
+        logits, state = m(ids, state=m.new_state(1))
+        a, s = m(ids[:, :split], state=m.new_state(1))
+        b, s = m(ids[:, split:], state=s)
+    torch.testing.assert_close(torch.cat([a, b], 1), logits, **TOL[torch.float64])
+    assert_same_state(s, state, **TOL[torch.float64])
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_causality(name):
+    m = model(name, torch.float64)
+    ids = torch.randint(0, 256, (2, 30))
+    changed = ids.clone()
+    changed[:, 17:] = torch.randint(0, 256, (2, 13))
+    with torch.no_grad():
+        a, _ = m(ids)
+        b, _ = m(changed)
+    torch.testing.assert_close(a[:, :17], b[:, :17], atol=1e-12, rtol=1e-12)
+    assert not torch.allclose(a[:, 17:], b[:, 17:])
+
+
+def test_gradcheck_tiny_fp64_model():
+    c = preset("tiny")
+    c.hidden_size, c.vision.out_dim, c.vocab_size = 32, 32, 16
+    torch.manual_seed(0)
+    m = K3ForCausalLM(c.validate()).double()
+    x = torch.randn(1, 5, 32, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda e: m(inputs_embeds=e)[0], (x,), eps=1e-6, atol=1e-5)
+
+
+def test_a_training_step_reduces_the_loss():
+    torch.manual_seed(0)
+    m = K3ForCausalLM(preset("tiny"))
+    ids = torch.randint(0, 256, (4, 32))
+    opt = torch.optim.AdamW(m.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(8):
+        logits, _ = m(ids[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.1
+    assert all(p.grad is not None for p in m.parameters())
+
+
+def test_narrow_93_layer_model_ends_with_nine_depth_sources():
+    c = K3Config(vocab_size=32, hidden_size=16, num_layers=93, context_length=64)
+    c.kda = dataclasses.replace(c.kda, num_heads=1, head_dim=16, value_head_dim=16, decay_rank=4, chunk_size=16)
+    c.mla = dataclasses.replace(c.mla, num_heads=1, q_lora_rank=8, kv_lora_rank=8, qk_nope_head_dim=4,
+                                qk_shared_head_dim=4, v_head_dim=4)
+    c.moe = dataclasses.replace(c.moe, num_experts=2, num_experts_per_token=1, num_shared_experts=1,
+                                expert_hidden=32, shared_hidden=32, latent_dim=None, dense_hidden=32)
+    c.vision = dataclasses.replace(c.vision, enabled=False, out_dim=16)
+    c.mx = dataclasses.replace(c.mx, enabled=False)
+    m = K3ForCausalLM(c.validate())
+    with torch.no_grad():
+        _, state = m(torch.randint(0, 32, (1, 3)), state=m.new_state(1))
+    assert c.depth_sources() == 9 and state.depth.shape == (1, 9, 16)  # 7 complete + 1 partial + embedding
+
+
+def test_paper_preset_on_meta_matches_the_analytic_count():
+    c = preset("paper")
+    with torch.device("meta"):
+        m = K3ForCausalLM(c)
+    parts = parameter_breakdown(c)
+    language = parts["total"][0] - parts["vision encoder"][0] - parts["vision projector"][0]
+    assert sum(p.numel() for p in m.parameters()) == language
+    for name in ("tiny", "small"):
+        c = preset(name)
+        parts = parameter_breakdown(c)
+        expected = parts["total"][0] - parts["vision encoder"][0] - parts["vision projector"][0]
+        assert sum(p.numel() for p in K3ForCausalLM(c).parameters()) == expected
+
+
+# ---------------------------------------------------------------------- DecoderState
+def test_state_clone_select_save_load(tmp_path):
+    m = model("every-path")
+    ids = torch.randint(0, 256, (3, 9))
+    with torch.no_grad():
+        _, state = m(ids, state=m.new_state(3))
+        copy = state.clone()
+        next_ids = torch.randint(0, 256, (3, 4))
+        out, advanced = m(next_ids, state=state)
+        assert_same_state(state, copy, atol=0, rtol=0)  # forward never modifies its input state
+        # Selecting rows of the state is the same as having run only those rows.
+        rows = [2, 0]
+        out_rows, _ = m(next_ids[rows], state=state.select(rows))
+        torch.testing.assert_close(out_rows, out[rows], atol=1e-5, rtol=1e-5)
+    path = tmp_path / "state.safetensors"
+    state.save(path)
+    loaded = DecoderState.load(path)
+    assert_same_state(loaded, state, atol=0, rtol=0)
+    assert not (tmp_path / "state.safetensors.tmp").exists()
+
+
+def test_corrupt_state_file_is_an_error_naming_it(tmp_path):
+    path = tmp_path / "state.safetensors"
+    path.write_bytes(b"not a safetensors file")
+    with pytest.raises(ValueError, match="state.safetensors"):
+        DecoderState.load(path)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"input_ids": torch.tensor([[0, 256]])}, "input_ids: token ids must lie in"),
+    ({"input_ids": torch.tensor([1, 2])}, "input_ids: expected an integer tensor"),
+    ({"input_ids": torch.zeros(1, 0, dtype=torch.long)}, "empty"),
+    ({"inputs_embeds": torch.zeros(1, 2, 3)}, "inputs_embeds: expected a float tensor"),
+    ({}, "exactly one of input_ids or inputs_embeds"),
+])
+def test_bad_input_is_a_clear_error(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        model("tiny")(**kwargs)
+
+
+def test_state_batch_mismatch_is_an_error():
+    m = model("tiny")
+    with pytest.raises(ValueError, match="state: expected 4 layers and batch size 2"):
+        m(torch.zeros(2, 3, dtype=torch.long), state=m.new_state(1))
