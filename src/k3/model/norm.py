@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 
 def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
     """``x / sqrt(mean(x²) + eps) · weight``, computed in at least fp32 and returned in x's dtype."""
     dtype = torch.promote_types(x.dtype, torch.float32)
-    y = x.to(dtype)
-    y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
-    if weight is not None:
-        y = y * weight.to(dtype)
-    return y.to(x.dtype)
+    weight = None if weight is None else weight.to(dtype)
+    return F.rms_norm(x.to(dtype), (x.shape[-1],), weight, eps).to(x.dtype)
 
 
 class RMSNorm(nn.Module):

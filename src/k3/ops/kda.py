@@ -127,9 +127,10 @@ def step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor
     q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
     S = q.new_zeros(B, H, K, V) if state is None else state.to(dtype)
     S = S * g.exp().unsqueeze(-1)  # Diag(α) S
-    recalled = torch.einsum("bhk,bhkv->bhv", k, S)  # kᵀ S
-    S = S + torch.einsum("bhk,bhv->bhkv", beta.unsqueeze(-1) * k, v - recalled)  # erase, then write
-    o = scale * torch.einsum("bhk,bhkv->bhv", q, S)
+    k = k.unsqueeze(-2)  # [B, H, 1, K]
+    recalled = k @ S  # kᵀ S, [B, H, 1, V]
+    S = S + (beta[..., None, None] * k).transpose(-1, -2) @ (v.unsqueeze(-2) - recalled)  # erase, then write
+    o = (q.unsqueeze(-2) @ S).squeeze(-2) * scale
     return o.to(v.dtype), S
 
 

@@ -179,13 +179,13 @@ class GatedMLA(nn.Module):
         w_uk, w_uv = (w.to(dtype) for w in self._up_weights())
         latent, shared_key = cache.latent.to(dtype), cache.shared_key.to(dtype)
         q_content, q_shared = q.to(dtype).split([self.nope_dim, self.shared_dim], dim=-1)
-        q_latent = torch.einsum("bhtn,hnr->bhtr", q_content, w_uk)
-        scores = (torch.einsum("bhtr,blr->bhtl", q_latent, latent)
-                  + torch.einsum("bhts,bls->bhtl", q_shared, shared_key)) * self.scale
+        latent, shared_key = latent.unsqueeze(1), shared_key.unsqueeze(1)  # one "head" shared by all H
+        q_latent = q_content @ w_uk  # [B, H, T, r]
+        scores = (q_latent @ latent.transpose(-1, -2) + q_shared @ shared_key.transpose(-1, -2)) * self.scale
         if T > 1:
             scores = scores.masked_fill(~self._visible(T, L, q.device), float("-inf"))
-        o_latent = torch.einsum("bhtl,blr->bhtr", torch.softmax(scores, dim=-1), latent)
-        return torch.einsum("bhtr,hvr->bthv", o_latent, w_uv).to(q.dtype)
+        o_latent = torch.softmax(scores, dim=-1) @ latent  # [B, H, T, r]
+        return (o_latent @ w_uv.transpose(-1, -2)).transpose(1, 2).to(q.dtype)
 
     # ------------------------------------------------------------------ validation
     def _check_inputs(self, x: Tensor, state: MLACache | None, path: str | None) -> None:

@@ -1,0 +1,169 @@
+"""How fast does the K3 backbone train and decode on this CPU — and against transformers, with identical weights?
+
+1. Apples to apples: a ~30.7M-parameter Kimi Linear model (d=256, 8 layers, 16 experts top-2) built
+   by transformers, converted with `k3.interop.kimi_linear.from_transformers`, both run in this process:
+   training tokens/s (forward+backward, batch 4 x 512) and decode tokens/s (batch 1, after a prompt).
+2. The `tiny` and `small` presets: training tokens/s and decode tokens/s at batch 1 and 8, contexts 512
+   and 4096, plus an all-KDA variant of `small` whose decode time per token should not grow with context.
+
+    python benchmarks/model.py            # ~10 min on 2 cores
+    python benchmarks/model.py --quick    # fewer contexts, for a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from harness import machine, median_seconds, table, write_results  # noqa: E402
+
+from k3 import K3ForCausalLM  # noqa: E402
+from k3.config import count_parameters, preset  # noqa: E402
+
+
+def train_tokens_per_s(step, batch: int, seq: int) -> float:
+    seconds, _ = median_seconds(step, min_repeats=3, budget_s=4.0)
+    return batch * seq / seconds
+
+
+def k3_train_step(model: K3ForCausalLM, ids: torch.Tensor):
+    def step():
+        logits, _ = model(ids[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+        model.zero_grad(set_to_none=True)
+        loss.backward()
+    return step
+
+
+def k3_decode_tokens_per_s(model: K3ForCausalLM, batch: int, context: int, steps: int = 32) -> float:
+    """Prefill ``context`` tokens, then time ``steps`` single-token decode calls (batch-wide)."""
+    vocab = model.config.vocab_size
+    with torch.no_grad():
+        _, state = model(torch.randint(0, vocab, (batch, context)), state=model.new_state(batch))
+        token = torch.randint(0, vocab, (batch, 1))
+        model(token, state=state)  # warm-up
+        start = time.perf_counter()
+        for _ in range(steps):
+            logits, state = model(token, state=state)
+            token = logits[:, -1:].argmax(-1)
+        return batch * steps / (time.perf_counter() - start)
+
+
+def kimi_linear_pair():
+    """A ~30.7M-parameter transformers Kimi Linear model and its k3 conversion (identical weights)."""
+    import peers
+
+    from k3.interop.kimi_linear import from_transformers
+
+    tf = peers.transformers_kimi_linear()
+    config = tf.KimiLinearConfig(
+        vocab_size=32000, hidden_size=256, intermediate_size=1024, moe_intermediate_size=128,
+        num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=128,
+        qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64, num_local_experts=16, num_experts_per_tok=2,
+        n_shared_experts=1, linear_num_heads=4, linear_head_dim=64, pad_token_id=None, bos_token_id=None,
+        eos_token_id=None, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    hf = tf.KimiLinearForCausalLM(config)
+    return hf, from_transformers(hf)
+
+
+def hf_train_step(model, ids: torch.Tensor):
+    def step():
+        out = model(ids, labels=ids)
+        model.zero_grad(set_to_none=True)
+        out.loss.backward()
+    return step
+
+
+def hf_decode_tokens_per_s(model, batch: int, context: int, steps: int = 32) -> float:
+    vocab = model.config.vocab_size
+    with torch.no_grad():
+        out = model(torch.randint(0, vocab, (batch, context)), use_cache=True)
+        cache, token = out.cache, torch.randint(0, vocab, (batch, 1))
+        out = model(token, cache=cache, use_cache=True)
+        cache = out.cache
+        start = time.perf_counter()
+        for _ in range(steps):
+            out = model(token, cache=cache, use_cache=True)
+            cache, token = out.cache, out.logits[:, -1:].argmax(-1)
+        return batch * steps / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    contexts = [512] if args.quick else [512, 4096]
+    rows: list[dict] = []
+
+    # 1. identical weights, transformers vs k3
+    hf, ours = kimi_linear_pair()
+    params = sum(p.numel() for p in ours.parameters())
+    print(f"Kimi Linear pair: {params / 1e6:.1f}M parameters", flush=True)
+    ids = torch.randint(0, 32000, (4, 513))
+    hf.train(), ours.train()
+    for name, step in (("transformers", hf_train_step(hf, ids[:, :-1])), ("kimi-k3", k3_train_step(ours, ids))):
+        rows.append({"model": "kimi-linear-30.7M", "impl": name, "task": "train fwd+bwd", "batch": 4, "context": 512,
+                     "tokens_per_s": train_tokens_per_s(step, 4, 512)})
+        print(json.dumps(rows[-1]), flush=True)
+    hf.eval(), ours.eval()
+    for context in contexts:
+        for name, fn in (("transformers", hf_decode_tokens_per_s), ("kimi-k3", k3_decode_tokens_per_s)):
+            rows.append({"model": "kimi-linear-30.7M", "impl": name, "task": "decode", "batch": 1,
+                         "context": context, "tokens_per_s": fn(hf if name == "transformers" else ours, 1, context)})
+            print(json.dumps(rows[-1]), flush=True)
+    del hf, ours
+
+    # 2. k3 presets
+    all_kda = preset("small")
+    all_kda.mla_layers = []
+    variants = {"tiny": preset("tiny"), "small": preset("small"), "small-all-kda": all_kda}
+    for name, config in variants.items():
+        torch.manual_seed(0)
+        model = K3ForCausalLM(config)
+        total, active = count_parameters(config)
+        if name != "small-all-kda":
+            ids = torch.randint(0, config.vocab_size, (4, 513))
+            model.train()
+            rows.append({"model": name, "impl": "kimi-k3", "task": "train fwd+bwd", "batch": 4, "context": 512,
+                         "tokens_per_s": train_tokens_per_s(k3_train_step(model, ids), 4, 512)})
+            print(json.dumps(rows[-1]), flush=True)
+        model.eval()
+        for batch in (1, 8):
+            for context in contexts:
+                rows.append({"model": name, "impl": "kimi-k3", "task": "decode", "batch": batch, "context": context,
+                             "tokens_per_s": k3_decode_tokens_per_s(model, batch, context)})
+                print(json.dumps(rows[-1]), flush=True)
+
+    def find(model, impl, task, context=512, batch=1):
+        return next(r["tokens_per_s"] for r in rows if (r["model"], r["impl"], r["task"], r["context"], r["batch"])
+                    == (model, impl, task, context, batch if task == "decode" else 4))
+
+    pair = "kimi-linear-30.7M"
+    summary = {
+        "train_speedup_vs_transformers": find(pair, "kimi-k3", "train fwd+bwd") / find(pair, "transformers",
+                                                                                       "train fwd+bwd"),
+        "decode_speedup_vs_transformers": {c: find(pair, "kimi-k3", "decode", c) / find(pair, "transformers",
+                                                                                      "decode", c)
+                                           for c in contexts},
+        "all_kda_decode_time_ratio_longest_vs_512": find("small-all-kda", "kimi-k3", "decode", contexts[-1])
+        and find("small-all-kda", "kimi-k3", "decode", 512) / find("small-all-kda", "kimi-k3", "decode", contexts[-1]),
+    }
+    print()
+    print(table(rows, [("model", "model"), ("impl", "implementation"), ("task", "task"), ("batch", "batch"),
+                       ("context", "context"), ("tokens_per_s", "tokens/s")]))
+    print(json.dumps(summary, indent=2))
+    path = write_results("model", {"machine": machine(), "rows": rows, "summary": summary})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
