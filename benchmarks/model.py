@@ -1,6 +1,6 @@
 """How fast does the K3 backbone train and decode on this CPU — and against transformers, with identical weights?
 
-1. Apples to apples: a ~30.7M-parameter Kimi Linear model (d=256, 8 layers, 16 experts top-2) built
+1. Apples to apples: a ~31M-parameter Kimi Linear model (d=256, 8 layers, 16 experts top-2) built
    by transformers, converted with `k3.interop.kimi_linear.from_transformers`, both run in this process:
    training tokens/s (forward+backward, batch 4 x 512) and decode tokens/s (batch 1, after a prompt).
 2. The `tiny` and `small` presets: training tokens/s and decode tokens/s at batch 1 and 8, contexts 512
@@ -58,7 +58,7 @@ def k3_decode_tokens_per_s(model: K3ForCausalLM, batch: int, context: int, steps
 
 
 def kimi_linear_pair():
-    """A ~30.7M-parameter transformers Kimi Linear model and its k3 conversion (identical weights)."""
+    """A ~31M-parameter transformers Kimi Linear model and its k3 conversion (identical weights)."""
     import peers
 
     from k3.interop.kimi_linear import from_transformers
@@ -106,18 +106,17 @@ def main() -> None:
 
     # 1. identical weights, transformers vs k3
     hf, ours = kimi_linear_pair()
-    params = sum(p.numel() for p in ours.parameters())
-    print(f"Kimi Linear pair: {params / 1e6:.1f}M parameters", flush=True)
+    pair = f"kimi-linear-{sum(p.numel() for p in ours.parameters()) / 1e6:.1f}M"
     ids = torch.randint(0, 32000, (4, 513))
     hf.train(), ours.train()
     for name, step in (("transformers", hf_train_step(hf, ids[:, :-1])), ("kimi-k3", k3_train_step(ours, ids))):
-        rows.append({"model": "kimi-linear-30.7M", "impl": name, "task": "train fwd+bwd", "batch": 4, "context": 512,
+        rows.append({"model": pair, "impl": name, "task": "train fwd+bwd", "batch": 4, "context": 512,
                      "tokens_per_s": train_tokens_per_s(step, 4, 512)})
         print(json.dumps(rows[-1]), flush=True)
     hf.eval(), ours.eval()
     for context in contexts:
         for name, fn in (("transformers", hf_decode_tokens_per_s), ("kimi-k3", k3_decode_tokens_per_s)):
-            rows.append({"model": "kimi-linear-30.7M", "impl": name, "task": "decode", "batch": 1,
+            rows.append({"model": pair, "impl": name, "task": "decode", "batch": 1,
                          "context": context, "tokens_per_s": fn(hf if name == "transformers" else ours, 1, context)})
             print(json.dumps(rows[-1]), flush=True)
     del hf, ours
@@ -147,7 +146,6 @@ def main() -> None:
         return next(r["tokens_per_s"] for r in rows if (r["model"], r["impl"], r["task"], r["context"], r["batch"])
                     == (model, impl, task, context, batch if task == "decode" else 4))
 
-    pair = "kimi-linear-30.7M"
     summary = {
         "train_speedup_vs_transformers": find(pair, "kimi-k3", "train fwd+bwd") / find(pair, "transformers",
                                                                                        "train fwd+bwd"),
