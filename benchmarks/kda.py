@@ -155,7 +155,8 @@ def main() -> None:
                         else:
                             flops = (recurrent_flops(T) if impl == "recurrent" else chunk_flops(T))
                             flops *= 3 if mode == "fwd+bwd" else 1
-                            row.update(result, tokens_per_s=B * T / result["seconds"], gflops=flops / result["seconds"] / 1e9)
+                            row.update(result, tokens_per_s=B * T / result["seconds"],
+                                       gflops=flops / result["seconds"] / 1e9)
                             row["pct_matmul"] = 100 * row["gflops"] / rates["fp32"]
                             last = {"seconds": result["seconds"], "peak_mib": result["peak_mib"], "T": T}
                     rows.append(row)
@@ -178,7 +179,8 @@ def main() -> None:
         bf16 = find("chunked", 4096, "bf16")
         mem = {T: r["peak_mib"] for T in sorted(args.T) if (r := find("chunked", T))}
         summary = {
-            "T4096_fp32_fwd_speedup_vs_fastest_peer": min(p["seconds"] for p in peers) / ours["seconds"] if peers else None,
+            "T4096_fp32_fwd_speedup_vs_fastest_peer":
+                min(p["seconds"] for p in peers) / ours["seconds"] if peers else None,
             "T4096_fp32_fwd_speedup_vs_recurrent": rec["seconds"] / ours["seconds"] if rec else None,
             "T4096_fp32_fwd_pct_of_matmul_rate": ours["pct_matmul"],
             "T4096_fwd_bf16_over_fp32_time": bf16["seconds"] / ours["seconds"] if bf16 else None,

@@ -7,7 +7,6 @@ import json
 from fractions import Fraction
 
 import pytest
-import torch
 from torch.overrides import TorchFunctionMode
 
 from k3.audit import audit

@@ -21,7 +21,8 @@ def test_worked_value():
     out = attnres(w, [b0, b1])
     assert out.tolist() == pytest.approx([0.80443, 0.39114], abs=5e-6)
     # Normalising the values as well, or not normalising the keys, gives something else.
-    normalised_values = retrieve(w, [rms_norm(b, None, EPS) for b in (b0, b1)], [rms_norm(b, None, EPS) for b in (b0, b1)])
+    normed = [rms_norm(b, None, EPS) for b in (b0, b1)]
+    normalised_values = retrieve(w, normed, normed)
     raw_keys = retrieve(w, [b0, b1], [b0, b1])
     for wrong in (normalised_values, raw_keys):
         assert not torch.allclose(wrong, out, atol=1e-3)

@@ -62,7 +62,8 @@ def reference(layer: KDALayer, x: torch.Tensor) -> torch.Tensor:
             for h in range(H):
                 s = torch.diag(g[b, t, h].exp()) @ S[b, h]
                 kk = k[b, t, h].unsqueeze(1)
-                s = (torch.eye(K, dtype=x.dtype) - beta[b, t, h] * kk @ kk.T) @ s + beta[b, t, h] * kk @ v[b, t, h][None]
+                erase = torch.eye(K, dtype=x.dtype) - beta[b, t, h] * kk @ kk.T
+                s = erase @ s + beta[b, t, h] * kk @ v[b, t, h][None]
                 S[b, h] = s
                 o[b, t, h] = s.T @ q[b, t, h] / math.sqrt(K)
     if hasattr(layer, "g_proj"):
