@@ -192,7 +192,7 @@ def test_corrupt_state_file_is_an_error_naming_it(tmp_path):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"input_ids": torch.tensor([[0, 256]])}, "input_ids: token ids must lie in"),
+    ({"input_ids": torch.tensor([[0, 512]])}, "input_ids: token ids must lie in"),
     ({"input_ids": torch.tensor([1, 2])}, "input_ids: expected an integer tensor"),
     ({"input_ids": torch.zeros(1, 0, dtype=torch.long)}, "empty"),
     ({"inputs_embeds": torch.zeros(1, 2, 3)}, "inputs_embeds: expected a float tensor"),

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from fractions import Fraction
+from pathlib import Path
 
 from k3.audit import audit, format_audit
 from k3.config import PRESETS, K3Config, preset
@@ -32,6 +34,71 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _curriculum(text: str) -> list[list[float]]:
+    """``"0:256,0.6:1024,0.9:4096"`` → ``[[0.0, 256], [0.6, 1024], [0.9, 4096]]``."""
+    try:
+        return [[float(frac), int(length)] for frac, length in (part.split(":") for part in text.split(","))]
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected FRACTION:LENGTH,... got {text!r}") from err
+
+
+def _train(args: argparse.Namespace) -> int:
+    from k3.train.loop import TrainConfig, train
+    from k3.train.optim import OptimConfig
+
+    optim = OptimConfig(optimizer=args.optimizer, qk_clip=args.qk_clip,
+                        **({"lr": args.lr, "adam_lr": args.lr} if args.lr is not None else {}))
+    config = TrainConfig(
+        out=args.out, preset=args.preset, steps=args.steps, tokens_per_step=args.tokens_per_step,
+        grad_accum=args.grad_accum, curriculum=args.curriculum, bf16=args.bf16, eval_every=args.eval_every,
+        ckpt_every=args.ckpt_every, seed=args.seed, data=args.data or [], balance=args.balance,
+        max_minutes=args.max_minutes, progress=not args.no_progress, optim=optim,
+        data_limit_bytes=None if args.data_limit_mb is None else int(args.data_limit_mb * 2**20),
+    )
+    run = train(config, resume=args.resume)
+    loss = run.evaluate()
+    print(f"step {run.step_index}/{config.steps}: validation loss {loss:.4f} (perplexity {math.exp(loss):.2f})")
+    print(f"metrics: {run.metrics_path}  plot: {run.out / 'curves.png'}")
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from k3.train.loop import Run, TrainConfig
+    from k3.train.checkpoint import read_train, resolve
+
+    path = resolve(Path(args.ckpt))
+    config = TrainConfig.from_dict(read_train(path))
+    config.out, config.progress = str(path.parent), False
+    if args.data:
+        config.data = args.data
+    run = Run(config)
+    run.prepare(resume=True)
+    loss = run.evaluate(args.batches)
+    print(json.dumps({"checkpoint": str(path), "step": run.step_index, "val_loss": loss, "val_ppl": math.exp(loss)}))
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from k3.generation import stream
+    from k3.model.lm import K3ForCausalLM
+    from k3.train.checkpoint import load_weights, read_config, resolve
+    from k3.train.tokenizer import Tokenizer
+
+    path = resolve(Path(args.ckpt))
+    model = K3ForCausalLM(read_config(path))
+    load_weights(path, model)
+    model.eval()
+    tokenizer = Tokenizer.load(path)
+    prompt = tokenizer.encode(args.prompt) or [tokenizer.bos_id]
+    print(args.prompt, end="", flush=True)
+    ids: list[int] = []
+    for token in stream(model, prompt, args.max_tokens, args.temperature, args.top_p, args.top_k, args.seed,
+                        stop_ids=(tokenizer.eos_id,)):
+        ids.append(token)
+    print(tokenizer.decode(ids))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="k3", description="Kimi K3: model, training and serving.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -41,6 +108,46 @@ def main(argv: list[str] | None = None) -> int:
     source.add_argument("--config", help="a kimi-k3 JSON config or a Hugging Face config.json")
     info.add_argument("--json", action="store_true", help="print the audit as JSON")
     info.set_defaults(run=_info)
+
+    tr = commands.add_parser("train", help="train a K3 model (Per-Head Muon, quantile balancing, curriculum)")
+    tr.add_argument("--preset", choices=PRESETS, default="small")
+    tr.add_argument("--steps", type=int, default=1000)
+    tr.add_argument("--data", nargs="*", help="text files/folders, .jsonl (text field), .parquet; default: the "
+                    "Python standard library's source")
+    tr.add_argument("--data-limit-mb", type=float, help="use at most this much of the standard-library corpus")
+    tr.add_argument("--out", default="runs/k3", help="run directory: checkpoints, metrics.jsonl, curves.png")
+    tr.add_argument("--resume", action="store_true", help="continue the run in --out if it has a checkpoint")
+    tr.add_argument("--tokens-per-step", type=int, default=4096)
+    tr.add_argument("--grad-accum", type=int, default=1)
+    tr.add_argument("--curriculum", type=_curriculum, default=[[0.0, 256], [0.6, 1024], [0.9, 4096]],
+                    help="FRACTION:LENGTH stages, e.g. 0:256,0.6:1024,0.9:4096")
+    tr.add_argument("--lr", type=float)
+    tr.add_argument("--optimizer", choices=("muon", "adamw"), default="muon")
+    tr.add_argument("--qk-clip", type=float, help="QK-clip threshold for MLA heads (off by default)")
+    tr.add_argument("--balance", choices=("exact", "histogram", "bias-step", "none"), default="exact")
+    tr.add_argument("--bf16", action="store_true", help="bf16 autocast")
+    tr.add_argument("--eval-every", type=int, default=50)
+    tr.add_argument("--ckpt-every", type=int, default=50)
+    tr.add_argument("--max-minutes", type=float, help="stop after this much wall time (a checkpoint is written)")
+    tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument("--no-progress", action="store_true")
+    tr.set_defaults(run=_train)
+
+    ev = commands.add_parser("eval", help="validation loss and perplexity of a checkpoint")
+    ev.add_argument("--ckpt", required=True, help="a run directory or a checkpoint directory")
+    ev.add_argument("--data", nargs="*")
+    ev.add_argument("--batches", type=int)
+    ev.set_defaults(run=_eval)
+
+    gen = commands.add_parser("generate", help="continue a prompt with a trained checkpoint")
+    gen.add_argument("--ckpt", required=True)
+    gen.add_argument("--prompt", default="")
+    gen.add_argument("--max-tokens", type=int, default=100)
+    gen.add_argument("--temperature", type=float, default=0.8)
+    gen.add_argument("--top-p", type=float, default=0.95)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int)
+    gen.set_defaults(run=_generate)
     args = parser.parse_args(argv)
     try:
         return args.run(args)

@@ -427,7 +427,7 @@ def preset(name: str) -> K3Config:
         return K3Config()
     if name == "tiny":
         return K3Config(
-            vocab_size=256,
+            vocab_size=512,
             hidden_size=64,
             num_layers=4,
             context_length=4096,

@@ -91,6 +91,10 @@ class GatedMLA(nn.Module):
         self.kv_b_proj = nn.Linear(m.kv_lora_rank, H * (m.qk_nope_head_dim + m.v_head_dim), bias=False)
         self.g_proj = nn.Linear(d, H * m.v_head_dim, bias=False) if m.output_gate else None
         self.o_proj = nn.Linear(H * m.v_head_dim, d, bias=False)
+        # QK-clip observation (SPEC §9): when set, `_attend_full` folds each head's max pre-softmax logit
+        # into `max_logits` [H] (elementwise max over calls; the caller resets it to None).
+        self.record_max_logits = False
+        self.max_logits: Tensor | None = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -162,9 +166,21 @@ class GatedMLA(nn.Module):
         kv = self.kv_b_proj(cache.latent).view(B, L, H, self.nope_dim + self.v_dim).transpose(1, 2)
         k_content, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
         k = torch.cat([k_content, cache.shared_key.unsqueeze(1).expand(B, H, L, self.shared_dim)], dim=-1)
+        if self.record_max_logits:
+            self._record_max_logits(q, k)
         mask = None if L == T else self._visible(T, L, q.device)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=L == T, scale=self.scale)
         return o.transpose(1, 2)
+
+    @torch.no_grad()
+    def _record_max_logits(self, q: Tensor, k: Tensor) -> None:
+        """Fold the per-head max of the causally visible scaled logits ``q·k·scale`` (≥ fp32) into `max_logits`."""
+        T, L = q.shape[2], k.shape[2]
+        dtype = torch.promote_types(q.dtype, torch.float32)
+        scores = (q.to(dtype) @ k.to(dtype).transpose(-1, -2)) * self.scale
+        scores = scores.masked_fill(~self._visible(T, L, q.device), float("-inf"))
+        current = scores.amax(dim=(0, 2, 3))
+        self.max_logits = current if self.max_logits is None else torch.maximum(self.max_logits, current)
 
     def _attend_absorbed(self, q: Tensor, cache: MLACache) -> Tensor:
         """Latent-space attention: score ``q̃_h · c_kv + q_shared_h · k_s`` with ``q̃_h = W_uk_hᵀ q_content_h``.

@@ -1,0 +1,48 @@
+"""Sampling from a `K3ForCausalLM` with its explicit causal state: greedy, temperature, top-k, top-p."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor
+
+from k3.model.lm import K3ForCausalLM
+
+
+def sample_next(logits: Tensor, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+                generator: torch.Generator | None = None) -> Tensor:
+    """Next token ids ``[B]`` from logits ``[B, V]``; ``temperature == 0`` is greedy (argmax)."""
+    if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
+        raise ValueError(f"sampling: need temperature >= 0, 0 < top_p <= 1, top_k >= 0; got "
+                         f"{temperature}, {top_p}, {top_k}")
+    if temperature == 0:
+        return logits.argmax(-1)
+    logits = logits.float() / temperature
+    if top_k:
+        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+        drop = probs.cumsum(-1) - probs >= top_p
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
+
+
+@torch.no_grad()
+def stream(model: K3ForCausalLM, prompt: list[int], max_tokens: int, temperature: float = 1.0,
+           top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+           stop_ids: tuple[int, ...] = ()) -> Iterator[int]:
+    """Yield up to ``max_tokens`` sampled token ids after ``prompt`` (a stop id ends the stream, unyielded)."""
+    if not prompt:
+        raise ValueError("prompt: at least one token is needed")
+    generator = None if seed is None else torch.Generator().manual_seed(seed)
+    logits, state = model(torch.tensor([prompt]), state=model.new_state(1))
+    for _ in range(max_tokens):
+        token = sample_next(logits[:, -1], temperature, top_p, top_k, generator)
+        if int(token) in stop_ids:
+            return
+        yield int(token)
+        logits, state = model(token.view(1, 1), state=state)

@@ -1,0 +1,347 @@
+"""The training loop (SPEC §5, §7): curriculum, accumulation, clipping, balancing, validation, checkpoints.
+
+`train(config)` runs (or resumes) a run in ``config.out`` and writes there ``metrics.jsonl`` (one JSON
+object per logged step), ``curves.png`` and checkpoints. A resumed run continues exactly: the loss
+sequence equals the uninterrupted run's (the data-loader position, optimiser, scheduler, balancing
+biases and RNG states are all in the checkpoint).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from k3.config import K3Config, preset
+from k3.model.lm import K3ForCausalLM
+from k3.model.sequence.mla import GatedMLA
+from k3.train import checkpoint as ckpt
+from k3.train.balance import QuantileBalancer
+from k3.train.data import (
+    PackedLoader,
+    eval_batches,
+    load_documents,
+    masked_loss_sum,
+    masked_mean_loss,
+    split_documents,
+    stdlib_documents,
+    tokenize_documents,
+)
+from k3.train.optim import OptimConfig, build_optimizers, qk_clip_mla, schedulers
+from k3.train.tokenizer import Tokenizer
+
+
+@dataclass
+class TrainConfig:
+    """A training run. ``curriculum`` maps a fraction of the steps to a sequence length (SPEC §7,
+    scaled down from 8K → 64K → 256K → 1M); each step sees ``tokens_per_step`` tokens at any length."""
+
+    out: str = "runs/k3"
+    preset: str = "small"
+    steps: int = 1000
+    tokens_per_step: int = 4096
+    grad_accum: int = 1
+    curriculum: list[list[float]] = field(default_factory=lambda: [[0.0, 256], [0.6, 1024], [0.9, 4096]])
+    clip_grad: float = 1.0
+    bf16: bool = False
+    eval_every: int = 50
+    eval_batches: int = 4
+    ckpt_every: int = 50
+    log_every: int = 1
+    seed: int = 0
+    val_fraction: float = 0.02
+    data: list[str] = field(default_factory=list)  # empty: the Python standard library's source
+    data_limit_bytes: int | None = None
+    balance: str = "exact"  # "exact" | "histogram" (quantile balancing), "bias-step", "none"
+    max_minutes: float | None = None  # stop (with a checkpoint) after this much wall time
+    progress: bool = True
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    model: dict[str, Any] | None = None  # a full K3Config dict overriding ``preset`` (recipe ablations)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(data.keys() - names)
+        if unknown:
+            raise ValueError(f"unknown training field {unknown[0]!r}")
+        data = dict(data)
+        if "optim" in data:
+            data["optim"] = OptimConfig(**{k: tuple(v) if k == "betas" else v for k, v in data["optim"].items()})
+        return cls(**data)
+
+    def model_config(self) -> K3Config:
+        return (K3Config.from_dict(self.model) if self.model is not None else preset(self.preset)).validate()
+
+    def validate(self) -> TrainConfig:
+        for name in ("steps", "tokens_per_step", "grad_accum", "eval_every", "ckpt_every", "log_every",
+                     "eval_batches"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"train.{name} = {value!r} is invalid: must be a positive integer")
+        if not self.curriculum or self.curriculum[0][0] != 0:
+            raise ValueError(f"train.curriculum = {self.curriculum!r} is invalid: must start at fraction 0")
+        for frac, length in self.curriculum:
+            if not 0 <= frac < 1 or int(length) < 1 or self.tokens_per_step % (int(length) * self.grad_accum):
+                raise ValueError(f"train.curriculum stage {[frac, length]} is invalid: fractions in [0, 1) and "
+                                 f"tokens_per_step={self.tokens_per_step} divisible by length·grad_accum")
+        if self.balance not in ("exact", "histogram", "bias-step", "none"):
+            raise ValueError(f"train.balance = {self.balance!r} is invalid: exact / histogram / bias-step / none")
+        return self
+
+    def stage(self, step: int) -> int:
+        """Index of the curriculum stage that ``step`` (0-based) belongs to."""
+        return max(i for i, (frac, _) in enumerate(self.curriculum) if step >= frac * self.steps)
+
+    def seq_len(self, step: int) -> int:
+        """The curriculum's sequence length at ``step``."""
+        return int(self.curriculum[self.stage(step)][1])
+
+
+def _documents(config: TrainConfig):
+    docs = load_documents(config.data) if config.data else stdlib_documents(config.data_limit_bytes)
+    train_docs, val_docs = split_documents(docs, config.val_fraction, config.seed)
+    return train_docs, val_docs
+
+
+def _rng_state() -> dict[str, Any]:
+    return {"torch": torch.get_rng_state()}
+
+
+class Run:
+    """One training run: model, data, optimisers, balancer, logging; `step()` advances one optimiser step."""
+
+    def __init__(self, config: TrainConfig) -> None:
+        self.config = config.validate()
+        self.out = Path(config.out)
+        self.model_config = config.model_config()
+        torch.manual_seed(config.seed)
+        self.model = K3ForCausalLM(self.model_config)
+        self.step_index = 0
+        self.metrics_path = self.out / "metrics.jsonl"
+
+    # ---------------------------------------------------------------- setup
+    def prepare(self, resume: bool) -> None:
+        """Load or build tokenizer and data, optimisers; resume from the newest checkpoint if asked."""
+        self.out.mkdir(parents=True, exist_ok=True)
+        existing = ckpt.latest_checkpoint(self.out)
+        if existing is not None and not resume:
+            raise ValueError(f"{self.out} already holds a checkpoint ({existing.name}); pass --resume to "
+                             f"continue it or choose another --out")
+        train_docs, val_docs = _documents(self.config)
+        self.tok_dir = self.out / "tokenizer"
+        if existing is not None:  # the checkpoint's own tokenizer is authoritative
+            self.tokenizer = Tokenizer.load(existing)
+            self.tokenizer.save(self.tok_dir)
+        elif (self.tok_dir / "tokenizer.json").exists():
+            self.tokenizer = Tokenizer.load(self.tok_dir)
+        else:
+            self.tokenizer = Tokenizer.train((d.text for d in train_docs), self.model_config.vocab_size)
+            self.tokenizer.save(self.tok_dir)
+        if self.tokenizer.vocab_size > self.model_config.vocab_size:
+            raise ValueError(f"tokenizer has {self.tokenizer.vocab_size} tokens but config.vocab_size is "
+                             f"{self.model_config.vocab_size}")
+        self.train_tokens = tokenize_documents(self.tokenizer, train_docs)
+        self.val_tokens = tokenize_documents(self.tokenizer, val_docs)
+        self.train_loader = self._loader()
+        self.optimizers = build_optimizers(self.model, self.model_config, self.config.optim)
+        self.schedulers = schedulers(self.optimizers, self.config.steps, self.config.optim)
+        mode = self.config.balance
+        self.balancer = None if mode == "none" else QuantileBalancer(self.model, mode=mode)
+        if existing is not None:
+            self._restore(existing)
+        else:
+            self.metrics_path.write_text("")
+
+    def _loader(self) -> PackedLoader:
+        """The loader of the current curriculum stage: a fixed token budget per step, so each stage has
+        its own batch size (and its own shuffle seed); its position is checkpointed."""
+        self.stage = self.config.stage(self.step_index)
+        length = self.config.seq_len(self.step_index)
+        return PackedLoader(self.train_tokens, seq_len=length, batch_size=self._batch(length),
+                            eos_id=self.tokenizer.eos_id, seed=self.config.seed + self.stage)
+
+    def _batch(self, length: int) -> int:
+        return self.config.tokens_per_step // (length * self.config.grad_accum)
+
+    def _restore(self, path: Path) -> None:
+        ckpt.check_same_config(path, ckpt.read_config(path), self.model_config)
+        ckpt.load_weights(path, self.model)
+        state = ckpt.load_state(path)
+        try:
+            for opt, s in zip(self.optimizers, state["optimizers"], strict=True):
+                opt.load_state_dict(s)
+            for sched, s in zip(self.schedulers, state["schedulers"], strict=True):
+                sched.load_state_dict(s)
+            self.step_index = int(state["step"])
+            self.train_loader = self._loader()
+            if state["loader_stage"] == self.stage:  # else the next step starts the new stage's loader afresh
+                self.train_loader.load_state_dict(state["loader"])
+            torch.set_rng_state(state["rng"]["torch"])
+        except (KeyError, ValueError, TypeError, RuntimeError) as err:
+            raise ValueError(f"{path / 'state.pt'}: does not match this run ({type(err).__name__}: {err})") from err
+        # metrics after the checkpoint belong to the interrupted attempt: drop them
+        kept = [line for line in self.metrics_path.read_text().splitlines()
+                if line and json.loads(line)["step"] <= self.step_index] if self.metrics_path.exists() else []
+        self.metrics_path.write_text("".join(line + "\n" for line in kept))
+
+    def save(self) -> Path:
+        state = {
+            "optimizers": [o.state_dict() for o in self.optimizers],
+            "schedulers": [s.state_dict() for s in self.schedulers],
+            "loader": self.train_loader.state_dict(),
+            "loader_stage": self.stage,
+            "rng": _rng_state(),
+            "step": self.step_index,
+        }
+        return ckpt.save_checkpoint(self.out, self.step_index, self.model, self.model_config,
+                                    self.config.to_dict(), self.tok_dir, state)
+
+    # ---------------------------------------------------------------- one step
+    def _autocast(self):
+        return torch.autocast("cpu", dtype=torch.bfloat16) if self.config.bf16 else contextlib.nullcontext()
+
+    def _mla_layers(self) -> list[GatedMLA]:
+        return [m for m in self.model.modules() if isinstance(m, GatedMLA)]
+
+    def step(self) -> dict[str, Any]:
+        """One optimiser step over ``grad_accum`` micro-batches; returns the step's metrics."""
+        cfg = self.config
+        if cfg.stage(self.step_index) != self.stage:
+            self.train_loader = self._loader()
+        length = self.train_loader.seq_len
+        clip = cfg.optim.qk_clip
+        for layer in self._mla_layers():
+            layer.record_max_logits, layer.max_logits = clip is not None, None
+        self.model.train()
+        total, tokens = 0.0, 0
+        for _ in range(cfg.grad_accum):
+            inputs, targets, mask = next(self.train_loader)
+            with self._autocast():
+                logits, _ = self.model(inputs)
+            loss = masked_mean_loss(logits.float(), targets, mask)
+            (loss / cfg.grad_accum).backward()
+            total += loss.item() / cfg.grad_accum
+            tokens += inputs.numel()
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.clip_grad))
+        lr = self.optimizers[0].param_groups[0]["lr"]
+        for opt in self.optimizers:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        for sched in self.schedulers:
+            sched.step()
+        record: dict[str, Any] = {"step": self.step_index + 1, "loss": total, "lr": lr, "grad_norm": grad_norm,
+                                  "seq_len": length, "tokens": tokens}
+        if self.balancer is not None:
+            self.balancer.update()
+            record.update(self.balancer.load_stats())
+        if clip is not None:
+            for layer in self._mla_layers():
+                if layer.max_logits is not None:
+                    qk_clip_mla(layer, layer.max_logits, clip)
+                layer.record_max_logits, layer.max_logits = False, None
+        self.step_index += 1
+        return record
+
+    @torch.no_grad()
+    def evaluate(self, batches: int | None = None) -> float:
+        """Validation loss: the mean over the supervised positions of the first ``batches`` batches of
+        the held-out documents at the first curriculum length (the same positions at every evaluation)."""
+        self.model.eval()
+        length = int(self.config.curriculum[0][1])
+        total, count = 0.0, 0
+        for inputs, targets, mask in eval_batches(self.val_tokens, length, self._batch(length),
+                                                  self.tokenizer.eos_id, self.tokenizer.pad_id,
+                                                  max_batches=batches or self.config.eval_batches):
+            with self._autocast():
+                logits, _ = self.model(inputs)
+            loss_sum, n = masked_loss_sum(logits.float(), targets, mask)
+            total, count = total + float(loss_sum), count + n
+        if count == 0:
+            raise ValueError("validation data has no supervised positions")
+        return total / count
+
+    def log(self, record: dict[str, Any]) -> None:
+        with self.metrics_path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def train(config: TrainConfig, resume: bool = False) -> Run:
+    """Run (or continue) training; checkpoints every ``ckpt_every`` steps and at the end."""
+    run = Run(config)
+    run.prepare(resume)
+    start_time, start_step = time.time(), run.step_index
+    bar = None
+    if config.progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=config.steps, initial=run.step_index, unit="step", dynamic_ncols=True, file=sys.stderr)
+    deadline = None if config.max_minutes is None else start_time + 60 * config.max_minutes
+    while run.step_index < config.steps:
+        t0 = time.time()
+        record = run.step()
+        record["tokens_per_s"] = record["tokens"] / max(time.time() - t0, 1e-9)
+        if run.step_index % config.eval_every == 0 or run.step_index == config.steps:
+            record["val_loss"] = run.evaluate()
+            record["val_ppl"] = math.exp(min(record["val_loss"], 50))
+        if run.step_index % config.log_every == 0 or "val_loss" in record:
+            run.log(record)
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}",
+                            seq=record["seq_len"])
+        out_of_time = deadline is not None and time.time() >= deadline
+        if run.step_index % config.ckpt_every == 0 or run.step_index == config.steps or out_of_time:
+            run.save()
+        if out_of_time:
+            break
+    if bar is not None:
+        bar.close()
+    if run.step_index > start_step:
+        plot_metrics(run.metrics_path, run.out / "curves.png")
+    return run
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot_metrics(metrics: Path, png: Path) -> None:
+    """Loss (train and validation), learning rate and expert load over steps, as one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(metrics)
+    if not rows:
+        return
+    steps = [r["step"] for r in rows]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    axes[0].plot(steps, [r["loss"] for r in rows], label="train")
+    val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
+    if val:
+        axes[0].plot(*zip(*val), "o-", label="validation")
+    axes[0].set(title="loss", xlabel="step")
+    axes[0].legend()
+    axes[1].plot(steps, [r["lr"] for r in rows])
+    axes[1].set(title="learning rate (Muon group)", xlabel="step")
+    if "load_max_mean" in rows[0]:
+        axes[2].plot(steps, [r["load_max_mean"] for r in rows], label="max / mean (worst layer)")
+        axes[2].plot(steps, [r["load_idle"] for r in rows], label="idle experts (all layers)")
+        axes[2].legend()
+    axes[2].set(title="expert load", xlabel="step")
+    fig.tight_layout()
+    tmp = png.with_name(png.name + ".tmp.png")
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    tmp.replace(png)

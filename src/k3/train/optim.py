@@ -1,0 +1,297 @@
+"""Optimisers (SPEC §7, §9): Per-Head Muon, Muon, AdamW, QK-clip for MLA, warmup + cosine schedule.
+
+* `Muon`: Nesterov momentum, then quintic Newton–Schulz orthogonalisation of each matrix (stacked 3-D
+  parameters are a batch of matrices), Moonlight's RMS matching ``0.2·√max(rows, cols)`` and decoupled
+  weight decay. With ``num_heads`` set (Per-Head Muon, K3) the update is split into head blocks along the
+  output rows, each block orthogonalised and scaled on its own, and merged back.
+* `build_optimizers` routes attention Q/K/V projections to Per-Head Muon, the other hidden matrices to
+  Muon, and embeddings, LM head, 1-D parameters, the KDA ShortConv and the router to AdamW.
+* `qk_clip_mla`: Kimi K2's QK-clip for MLA heads whose max pre-softmax logit exceeded τ.
+* `lr_lambda` / `schedulers`: 1% linear warmup, cosine decay to a floor.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from torch import Tensor, nn
+from torch.optim.lr_scheduler import LambdaLR
+
+from k3.config import K3Config
+from k3.model.sequence.kda import KDALayer
+from k3.model.sequence.mla import GatedMLA
+from k3.model.width import Experts
+
+__all__ = [
+    "NS_COEFFICIENTS",
+    "Muon",
+    "OptimConfig",
+    "build_optimizers",
+    "lr_lambda",
+    "merge_heads",
+    "newton_schulz",
+    "qk_clip_mla",
+    "schedulers",
+    "split_heads",
+]
+
+# Quintic Newton–Schulz coefficients (KellerJordan/Muon, Moonlight): the slope 3.4445 at 0 lifts small
+# singular values fast; the iteration then oscillates around 1 instead of converging to it.
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+RMS_MATCH = 0.2  # Moonlight: 0.2·√max(A, B) gives the update an AdamW-like RMS of ~0.2·lr
+
+
+def newton_schulz(G: Tensor, steps: int = 5, eps: float = 1e-7) -> Tensor:
+    """Approximate the polar factor ``U Vᵀ`` of ``G = U S Vᵀ`` for ``[..., m, n]`` (SPEC §7, §9 "Muon").
+
+    Frobenius pre-normalisation puts every singular value in [0, 1]; each quintic step maps
+    σ ↦ aσ + bσ³ + cσ⁵. The iteration runs on the short side (transposed when m > n) in at least fp32;
+    the result has G's dtype. Singular values end near, not at, 1 (about 0.7–1.2), which Muon tolerates.
+    A zero matrix stays zero.
+    """
+    if G.dim() < 2:
+        raise ValueError(f"newton_schulz: expected a [..., m, n] tensor, got shape {list(G.shape)}")
+    a, b, c = NS_COEFFICIENTS
+    X = G.to(torch.promote_types(G.dtype, torch.float32))
+    tall = X.shape[-2] > X.shape[-1]
+    if tall:
+        X = X.mT
+    X = X / (torch.linalg.matrix_norm(X, keepdim=True) + eps)
+    for _ in range(steps):
+        A = X @ X.mT
+        X = a * X + (b * A + c * (A @ A)) @ X
+    return (X.mT if tall else X).to(G.dtype)
+
+
+def split_heads(W: Tensor, num_heads: int) -> Tensor:
+    """A Linear weight ``[..., H·dh, d_in]`` as head blocks ``[..., H, dh, d_in]`` along the output rows (a view)."""
+    if W.dim() < 2 or num_heads < 1 or W.shape[-2] % num_heads:
+        raise ValueError(f"split_heads: cannot split rows of shape {list(W.shape)} into {num_heads} heads")
+    return W.unflatten(-2, (num_heads, W.shape[-2] // num_heads))
+
+
+def merge_heads(blocks: Tensor) -> Tensor:
+    """Inverse of `split_heads`: ``[..., H, dh, d_in]`` → ``[..., H·dh, d_in]``."""
+    if blocks.dim() < 3:
+        raise ValueError(f"merge_heads: expected [..., H, dh, d_in], got shape {list(blocks.shape)}")
+    return blocks.flatten(-3, -2)
+
+
+def _orthogonal_update(direction: Tensor, num_heads: int | None, steps: int) -> Tensor:
+    """NS-orthogonalised ``direction`` (per head block if ``num_heads``), each scaled by 0.2·√max(rows, cols)."""
+    blocks = direction if num_heads is None else split_heads(direction, num_heads)
+    rows, cols = blocks.shape[-2:]
+    update = newton_schulz(blocks.to(torch.promote_types(blocks.dtype, torch.float32)), steps)
+    update = update * (RMS_MATCH * math.sqrt(max(rows, cols)))
+    return update if num_heads is None else merge_heads(update)
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon / Per-Head Muon for 2-D and stacked 3-D parameters (SPEC §7, §9 "Muon").
+
+    Per step and parameter: ``buf ← μ·buf + g``; Nesterov direction ``g + μ·buf``; orthogonalise it
+    (whole matrices, or head blocks of ``num_heads`` along the output rows); ``p ← p·(1 − lr·wd)``;
+    ``p ← p − lr·0.2·√max(rows, cols)·NS(direction)``. A stacked ``[E, m, n]`` parameter is E matrices.
+    The momentum buffer lives in the standard optimizer state (saved by `state_dict`).
+    """
+
+    def __init__(self, params: Iterable[Tensor] | Iterable[dict], lr: float, momentum: float = 0.95,
+                 weight_decay: float = 0.1, ns_steps: int = 5, num_heads: int | None = None) -> None:
+        defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, ns_steps=ns_steps, num_heads=num_heads)
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        try:
+            self._check_group(self.param_groups[-1])
+        except ValueError:
+            self.param_groups.pop()
+            raise
+
+    @staticmethod
+    def _check_group(group: dict) -> None:
+        if not (isinstance(group["lr"], float | int) and group["lr"] >= 0):
+            raise ValueError(f"Muon: lr must be >= 0, got {group['lr']!r}")
+        if not 0 <= group["momentum"] < 1:
+            raise ValueError(f"Muon: momentum must lie in [0, 1), got {group['momentum']!r}")
+        if not group["weight_decay"] >= 0:
+            raise ValueError(f"Muon: weight_decay must be >= 0, got {group['weight_decay']!r}")
+        if not (isinstance(group["ns_steps"], int) and group["ns_steps"] >= 1):
+            raise ValueError(f"Muon: ns_steps must be a positive integer, got {group['ns_steps']!r}")
+        heads = group["num_heads"]
+        if heads is not None and not (isinstance(heads, int) and heads >= 1):
+            raise ValueError(f"Muon: num_heads must be a positive integer or None, got {heads!r}")
+        for p in group["params"]:
+            if p.dim() not in (2, 3):
+                raise ValueError(f"Muon: parameters must be 2-D or stacked 3-D, got shape {list(p.shape)}")
+            if heads is not None and p.shape[-2] % heads:
+                raise ValueError(f"Muon: {p.shape[-2]} output rows do not split into num_heads={heads} heads")
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Tensor] | None = None) -> Tensor | None:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, mu = group["lr"], group["momentum"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p)
+                buf = state["momentum_buffer"]
+                buf.mul_(mu).add_(p.grad)
+                update = _orthogonal_update(p.grad.add(buf, alpha=mu), group["num_heads"], group["ns_steps"])
+                p.mul_(1 - lr * group["weight_decay"])
+                p.add_(update.to(p.dtype), alpha=-lr)
+        return loss
+
+
+@torch.no_grad()
+def qk_clip_mla(attn: GatedMLA, max_logits: Tensor, threshold: float) -> Tensor:
+    """Kimi K2's QK-clip for one MLA layer (SPEC §7, §9 "QK-clip"); returns γ ``[H]`` (1 where not clipped).
+
+    For each head with max pre-softmax logit ``S_max > τ``, ``γ = τ / S_max``: the head's content query
+    rows and its ``W_uk`` rows of ``kv_b_proj`` are scaled by √γ each, its shared-key query rows by γ,
+    so every logit of the head scales by γ. The shared key (``kv_a_proj``) and ``W_uv`` are untouched;
+    unclipped heads are multiplied by exactly 1 (bit-identical). ``max_logits`` is what
+    ``GatedMLA.record_max_logits`` collected.
+    """
+    H, nope, shared, v = attn.num_heads, attn.nope_dim, attn.shared_dim, attn.v_dim
+    if not (isinstance(threshold, float | int) and threshold > 0):
+        raise ValueError(f"qk_clip_mla: threshold must be > 0, got {threshold!r}")
+    if max_logits.shape != (H,):
+        raise ValueError(f"qk_clip_mla: max_logits must be [num_heads={H}], got {list(max_logits.shape)}")
+    q_weight = (attn.q_proj if attn.q_lora_rank is None else attn.q_b_proj).weight
+    s = max_logits.detach().to(device=q_weight.device, dtype=torch.promote_types(max_logits.dtype, torch.float32))
+    gamma = torch.where(s > threshold, threshold / s, torch.ones_like(s))
+    root, ones = gamma.sqrt()[:, None], torch.ones_like(gamma)[:, None]
+    q_scale = torch.cat([root.expand(H, nope), gamma[:, None].expand(H, shared)], dim=1).reshape(-1, 1)
+    kv_scale = torch.cat([root.expand(H, nope), ones.expand(H, v)], dim=1).reshape(-1, 1)
+    q_weight.mul_(q_scale.to(q_weight.dtype))
+    attn.kv_b_proj.weight.mul_(kv_scale.to(attn.kv_b_proj.weight.dtype))
+    return gamma
+
+
+@dataclass
+class OptimConfig:
+    """Optimiser hyper-parameters (SPEC §7). ``optimizer="adamw"`` and ``per_head=False`` are ablations."""
+
+    lr: float = 3e-3  # Muon
+    adam_lr: float = 3e-3
+    weight_decay: float = 0.1
+    momentum: float = 0.95
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    warmup_frac: float = 0.01
+    min_lr_ratio: float = 0.1
+    qk_clip: float | None = None  # τ for `qk_clip_mla`; off by default at tiny scale
+    optimizer: str = "muon"  # "muon" or "adamw" (everything AdamW)
+    per_head: bool = True  # False: plain Muon on Q/K/V too
+
+    def __post_init__(self) -> None:
+        self.betas = tuple(float(b) for b in self.betas)  # a JSON round trip turns the tuple into a list
+        if self.optimizer not in ("muon", "adamw"):
+            raise ValueError(f"optimizer: expected 'muon' or 'adamw', got {self.optimizer!r}")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"betas: expected two values in [0, 1), got {self.betas!r}")
+        if not 0 <= self.warmup_frac < 1:
+            raise ValueError(f"warmup_frac: expected [0, 1), got {self.warmup_frac!r}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"min_lr_ratio: expected [0, 1], got {self.min_lr_ratio!r}")
+        if self.qk_clip is not None and not self.qk_clip > 0:
+            raise ValueError(f"qk_clip: expected > 0 or None, got {self.qk_clip!r}")
+
+
+def _per_head_weights(model: nn.Module, config: K3Config) -> dict[int, tuple[str, int]]:
+    """id(weight) → (group name, num_heads) for the attention projections Per-Head Muon splits."""
+    per_head: dict[int, tuple[str, int]] = {}
+    for module in model.modules():
+        if isinstance(module, KDALayer):
+            for proj in (module.q_proj, module.k_proj, module.v_proj):
+                per_head[id(proj.weight)] = ("muon_kda_heads", config.kda.num_heads)
+        elif isinstance(module, GatedMLA):
+            query = module.q_proj if module.q_lora_rank is None else module.q_b_proj
+            for proj in (query, module.kv_b_proj):
+                per_head[id(proj.weight)] = ("muon_mla_heads", config.mla.num_heads)
+    return per_head
+
+
+def _muon_weights(model: nn.Module) -> set[int]:
+    """ids of the matrices Muon may take: Linear weights and stacked expert tensors, minus LM heads."""
+    heads = {id(m.lm_head.weight) for m in model.modules() if isinstance(getattr(m, "lm_head", None), nn.Linear)}
+    ids = set()
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            ids.add(id(module.weight))
+        elif isinstance(module, Experts):
+            ids.update((id(module.gate_up), id(module.down)))
+    return ids - heads
+
+
+def build_optimizers(model: nn.Module, config: K3Config, optim: OptimConfig) -> list[torch.optim.Optimizer]:
+    """``[Muon, AdamW]`` (or ``[AdamW]`` for ``optim.optimizer == "adamw"``) over the trainable parameters.
+
+    Every trainable parameter lands in exactly one named group (``group["name"]``):
+
+    * ``muon_kda_heads`` / ``muon_mla_heads`` (Per-Head Muon): KDA ``q_proj/k_proj/v_proj``; MLA
+      ``q_proj`` or ``q_b_proj`` (per head ``[content ; shared-key]`` rows) and ``kv_b_proj``
+      (per head ``[W_uk ; W_uv]`` rows). With ``per_head=False`` they join ``muon``.
+    * ``muon``: every other Linear weight and the stacked routed-expert tensors.
+    * ``adamw_decay``: remaining ≥2-D parameters — embeddings, LM head, KDA ShortConv, router (fp32).
+    * ``adamw_no_decay``: 1-D parameters — norm gains, ``A_log``, ``dt_bias``, AttnRes pseudo-queries.
+    """
+    muon = optim.optimizer == "muon"
+    per_head = _per_head_weights(model, config) if muon and optim.per_head else {}
+    muon_ids = _muon_weights(model) if muon else set()
+    heads: dict[str, int | None] = {"muon": None, **dict(per_head.values())}
+    groups: dict[str, list[nn.Parameter]] = {}
+    for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        if id(p) in per_head:
+            name = per_head[id(p)][0]
+        elif id(p) in muon_ids:
+            name = "muon"
+        else:
+            name = "adamw_decay" if p.dim() >= 2 else "adamw_no_decay"
+        groups.setdefault(name, []).append(p)
+
+    optimizers: list[torch.optim.Optimizer] = []
+    muon_groups = [dict(name=n, params=groups[n], num_heads=heads[n])
+                   for n in ("muon", "muon_kda_heads", "muon_mla_heads") if n in groups]
+    if muon_groups:
+        optimizers.append(Muon(muon_groups, lr=optim.lr, momentum=optim.momentum, weight_decay=optim.weight_decay))
+    adam_groups = [dict(name=n, params=groups[n], weight_decay=wd)
+                   for n, wd in (("adamw_decay", optim.weight_decay), ("adamw_no_decay", 0.0)) if n in groups]
+    if adam_groups:
+        optimizers.append(torch.optim.AdamW(adam_groups, lr=optim.adam_lr, betas=optim.betas, eps=optim.eps))
+    return optimizers
+
+
+def lr_lambda(step: int, total_steps: int, warmup_frac: float, min_lr_ratio: float) -> float:
+    """LR multiplier (SPEC §7): linear warmup then cosine decay to ``min_lr_ratio``.
+
+    With ``W = max(1, round(warmup_frac·total_steps))``: ``(step + 1) / W`` for step < W (so step W − 1
+    reaches 1.0), then ``min + (1 − min)·(1 + cos(π·(step − W) / (total_steps − W))) / 2``, which is 1 at
+    step W and ``min_lr_ratio`` from ``total_steps`` on.
+    """
+    if total_steps < 1:
+        raise ValueError(f"total_steps: expected >= 1, got {total_steps!r}")
+    warmup = max(1, round(warmup_frac * total_steps))
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+    return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def schedulers(optimizers: list[torch.optim.Optimizer], total_steps: int, optim: OptimConfig) -> list[LambdaLR]:
+    """One `LambdaLR` per optimiser following `lr_lambda`."""
+    fn = partial(lr_lambda, total_steps=total_steps, warmup_frac=optim.warmup_frac, min_lr_ratio=optim.min_lr_ratio)
+    return [LambdaLR(opt, fn) for opt in optimizers]

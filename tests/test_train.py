@@ -1,0 +1,152 @@
+"""k3.train.loop and checkpoints: exact resume, atomic saves, clear errors, the CLI (SPEC §7; issue 4)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from k3.cli import main
+from k3.train import checkpoint as ckpt
+from k3.train.loop import TrainConfig, read_metrics, train
+from k3.train.optim import OptimConfig
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    """A small, fixed text corpus (a slice of the standard library) so every run sees the same data."""
+    from k3.train.data import stdlib_documents
+
+    root = tmp_path_factory.mktemp("corpus")
+    for i, doc in enumerate(stdlib_documents(limit_bytes=300_000)):
+        (root / f"doc{i:04d}.txt").write_text(doc.text)
+    return root
+
+
+def config(out: Path, corpus: Path, **changes) -> TrainConfig:
+    base = dict(out=str(out), preset="tiny", steps=6, tokens_per_step=512, curriculum=[[0.0, 32], [0.5, 64]],
+                eval_every=3, eval_batches=2, ckpt_every=3, data=[str(corpus)], progress=False,
+                optim=OptimConfig(lr=0.01, adam_lr=0.01))
+    base.update(changes)
+    return TrainConfig(**base)
+
+
+def losses(out: Path) -> list[float]:
+    return [r["loss"] for r in read_metrics(out / "metrics.jsonl")]
+
+
+def test_resumed_run_continues_exactly(tmp_path, corpus):
+    """Interrupt a run twice (a zero time budget stops after one step with a checkpoint), then resume it
+    across the curriculum change: the loss sequence equals the uninterrupted run's."""
+    whole = train(config(tmp_path / "whole", corpus))
+    for _ in range(3):
+        part = train(config(tmp_path / "split", corpus, max_minutes=0.0), resume=True)
+    assert part.step_index == 3
+    resumed = train(config(tmp_path / "split", corpus), resume=True)
+    assert resumed.step_index == 6
+    a, b = losses(tmp_path / "whole"), losses(tmp_path / "split")
+    assert len(a) == len(b) == 6
+    assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-6
+    assert whole.evaluate() == pytest.approx(resumed.evaluate(), abs=1e-6)
+    assert (tmp_path / "whole" / "curves.png").stat().st_size > 0
+    rows = read_metrics(tmp_path / "whole" / "metrics.jsonl")
+    assert all({"step", "loss", "lr", "seq_len"} <= r.keys() for r in rows)
+    assert [r["seq_len"] for r in rows] == [32, 32, 32, 64, 64, 64]
+    assert any("val_loss" in r for r in rows) and "load_max_mean" in rows[0]
+
+
+def test_interrupted_save_leaves_the_previous_checkpoint(tmp_path, corpus, monkeypatch):
+    out = tmp_path / "run"
+    train(config(out, corpus, steps=3))
+    before = ckpt.latest_checkpoint(out)
+    from k3.train.loop import Run
+
+    run = Run(config(out, corpus))
+    run.prepare(resume=True)
+    run.log(run.step())
+
+    def killed(*args, **kwargs):  # the process dies in the middle of writing the training state
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ckpt.torch, "save", killed)
+    with pytest.raises(KeyboardInterrupt):
+        run.save()
+    monkeypatch.undo()
+    assert ckpt.latest_checkpoint(out) == before
+    assert (out / "step-0000004.tmp").exists()  # the partial write is left aside, never read
+    resumed = train(config(out, corpus), resume=True)
+    assert resumed.step_index == 6
+
+
+def test_checkpoint_errors_name_the_file_and_field(tmp_path, corpus):
+    out = tmp_path / "run"
+    train(config(out, corpus, steps=3))
+    with pytest.raises(ValueError, match="pass --resume"):
+        train(config(out, corpus), resume=False)
+    with pytest.raises(ValueError, match=r"config.json: field 'hidden_size'"):
+        small = config(out, corpus)
+        small.model = {**json.loads((ckpt.latest_checkpoint(out) / "config.json").read_text()), "hidden_size": 32}
+        small.model["vision"]["out_dim"] = 32
+        train(small, resume=True)
+    weights = ckpt.latest_checkpoint(out) / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(ValueError, match="model.safetensors"):
+        train(config(out, corpus), resume=True)
+    state = ckpt.latest_checkpoint(out) / "state.pt"
+    state.write_bytes(b"garbage")
+    with pytest.raises(ValueError, match="state.pt"):
+        from k3.train.checkpoint import load_state
+
+        load_state(ckpt.latest_checkpoint(out))
+
+
+def test_missing_or_empty_data_fails_before_training(tmp_path):
+    with pytest.raises((ValueError, FileNotFoundError), match="nowhere"):
+        train(config(tmp_path / "a", tmp_path / "nowhere"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no documents"):
+        train(config(tmp_path / "b", tmp_path / "empty"))
+    assert not (tmp_path / "b" / "latest").exists()
+
+
+def test_bad_training_config_names_the_field(tmp_path, corpus):
+    with pytest.raises(ValueError, match="train.steps"):
+        train(config(tmp_path, corpus, steps=0))
+    with pytest.raises(ValueError, match="train.curriculum"):
+        train(config(tmp_path, corpus, tokens_per_step=100))
+    with pytest.raises(ValueError, match="train.balance"):
+        train(config(tmp_path, corpus, balance="magic"))
+
+
+def test_cli_train_eval_generate(tmp_path, corpus, capsys):
+    out = tmp_path / "cli"
+    args = ["train", "--preset", "tiny", "--steps", "2", "--out", str(out), "--data", str(corpus),
+            "--tokens-per-step", "512", "--curriculum", "0:32", "--eval-every", "2", "--ckpt-every", "2",
+            "--no-progress"]
+    assert main(args) == 0
+    assert "validation loss" in capsys.readouterr().out
+    assert main(args) == 2  # a second run without --resume refuses to overwrite
+    assert "pass --resume" in capsys.readouterr().err
+    assert main(["eval", "--ckpt", str(out), "--batches", "1"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["step"] == 2 and result["val_loss"] > 0
+    assert main(["generate", "--ckpt", str(out), "--prompt", "def ", "--max-tokens", "5", "--seed", "0"]) == 0
+    first = capsys.readouterr().out
+    assert main(["generate", "--ckpt", str(out), "--prompt", "def ", "--max-tokens", "5", "--seed", "0"]) == 0
+    assert capsys.readouterr().out == first and first.startswith("def ")
+
+
+def test_sampling_rules():
+    from k3.generation import sample_next
+
+    logits = torch.tensor([[0.0, 1.0, 3.0, 2.0]])
+    assert sample_next(logits, temperature=0).item() == 2
+    gen = torch.Generator().manual_seed(0)
+    picks = {sample_next(logits, 1.0, top_p=0.5, generator=gen).item() for _ in range(50)}
+    assert picks == {2}  # top-p 0.5 keeps only the most likely token here (p ≈ 0.64)
+    picks = {sample_next(logits, 1.0, top_k=2, generator=gen).item() for _ in range(100)}
+    assert picks == {2, 3}
+    with pytest.raises(ValueError, match="sampling"):
+        sample_next(logits, temperature=-1)
