@@ -150,3 +150,10 @@ def test_sampling_rules():
     assert picks == {2, 3}
     with pytest.raises(ValueError, match="sampling"):
         sample_next(logits, temperature=-1)
+
+
+def test_bf16_autocast_and_gradient_accumulation(tmp_path, corpus):
+    run = train(config(tmp_path / "bf16", corpus, steps=2, bf16=True, grad_accum=2, eval_every=2))
+    rows = read_metrics(tmp_path / "bf16" / "metrics.jsonl")
+    assert run.step_index == 2 and all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
+    assert rows[-1]["tokens"] == 512 and "val_loss" in rows[-1]

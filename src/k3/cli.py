@@ -56,7 +56,7 @@ def _train(args: argparse.Namespace) -> int:
         data_limit_bytes=None if args.data_limit_mb is None else int(args.data_limit_mb * 2**20),
     )
     run = train(config, resume=args.resume)
-    loss = run.evaluate()
+    loss = run.last_val_loss if run.last_val_loss is not None else run.evaluate()
     print(f"step {run.step_index}/{config.steps}: validation loss {loss:.4f} (perplexity {math.exp(loss):.2f})")
     print(f"metrics: {run.metrics_path}  plot: {run.out / 'curves.png'}")
     return 0

@@ -127,6 +127,7 @@ class Run:
         torch.manual_seed(config.seed)
         self.model = K3ForCausalLM(self.model_config)
         self.step_index = 0
+        self.last_val_loss: float | None = None
         self.metrics_path = self.out / "metrics.jsonl"
 
     # ---------------------------------------------------------------- setup
@@ -290,8 +291,9 @@ def train(config: TrainConfig, resume: bool = False) -> Run:
         t0 = time.time()
         record = run.step()
         record["tokens_per_s"] = record["tokens"] / max(time.time() - t0, 1e-9)
-        if run.step_index % config.eval_every == 0 or run.step_index == config.steps:
-            record["val_loss"] = run.evaluate()
+        out_of_time = deadline is not None and time.time() >= deadline
+        if run.step_index % config.eval_every == 0 or run.step_index == config.steps or out_of_time:
+            record["val_loss"] = run.last_val_loss = run.evaluate()
             record["val_ppl"] = math.exp(min(record["val_loss"], 50))
         if run.step_index % config.log_every == 0 or "val_loss" in record:
             run.log(record)
@@ -299,7 +301,6 @@ def train(config: TrainConfig, resume: bool = False) -> Run:
             bar.update(1)
             bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}",
                             seq=record["seq_len"])
-        out_of_time = deadline is not None and time.time() >= deadline
         if run.step_index % config.ckpt_every == 0 or run.step_index == config.steps or out_of_time:
             run.save()
         if out_of_time:
