@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from k3.config import kda_layer_parameters, preset
-from k3.model.sequence.kda import KDALayer
+from k3.model.sequence.kda import KDALayer, ShortConv
 
 
 def config(gate="bounded", output_gate_rank=0, chunk=16):
@@ -134,3 +134,17 @@ def test_initial_retention_is_long_and_bounded():
     g = layer.decay(torch.randn(1, 50, 64))
     assert (g > -5).all() and (g <= 0).all()  # sigmoid may round to 0 in fp32: retention exactly 1
     assert g.exp().median() > 0.9
+
+
+@pytest.mark.parametrize("T", [1, 3, 64, 65, 130])
+def test_short_conv_paths_equal_an_explicit_loop(T):
+    """The windowed-dot path (T ≤ 64) and the convolution path (longer) are the same causal depthwise conv."""
+    torch.manual_seed(T)
+    conv = ShortConv(6, 4).double()
+    torch.nn.init.normal_(conv.weight)
+    x, window = torch.randn(2, T, 6, dtype=torch.float64), torch.randn(2, 3, 6, dtype=torch.float64)
+    y, new_window = conv(x, window)
+    full = torch.cat([window, x], 1)
+    ref = torch.stack([sum(full[:, t + j] * conv.weight[:, j] for j in range(4)) for t in range(T)], 1)
+    torch.testing.assert_close(y, torch.nn.functional.silu(ref), atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(new_window, full[:, -3:])

@@ -207,3 +207,58 @@ def test_state_batch_mismatch_is_an_error():
     m = model("tiny")
     with pytest.raises(ValueError, match="state: expected 4 layers and batch size 2"):
         m(torch.zeros(2, 3, dtype=torch.long), state=m.new_state(1))
+
+
+@pytest.mark.parametrize("name", ["every-path", "plain-residual"])
+@settings(max_examples=8, deadline=None)
+@given(lengths=st.lists(st.integers(1, 12), min_size=1, max_size=4), steps=st.integers(1, 3),
+       chunk=st.integers(1, 3))
+def test_stacked_states_of_unequal_lengths_continue_like_each_alone(name, lengths, steps, chunk):
+    """Left-padded batching (`stack`/`unstack`) = running each sequence alone, for decode and for chunks."""
+    m = model(name, torch.float64)
+    gen = torch.Generator().manual_seed(sum(lengths))
+    with torch.no_grad():
+        alone = [m(torch.randint(0, 256, (1, n), generator=gen), state=m.new_state(1))[1] for n in lengths]
+        batched = alone
+        for _ in range(steps):
+            ids = torch.randint(0, 256, (len(lengths), chunk), generator=gen)
+            logits, stacked = m(ids, state=DecoderState.stack(batched))
+            assert stacked.position == max(s.position for s in batched) + chunk
+            batched = stacked.unstack()
+            for b, state in enumerate(alone):
+                ref, alone[b] = m(ids[b:b + 1], state=state)
+                torch.testing.assert_close(logits[b:b + 1], ref, **TOL[torch.float64])
+    for a, b in zip(alone, batched):
+        assert_same_state(a, b, **TOL[torch.float64])
+
+
+def test_stacked_state_saves_its_padding(tmp_path):
+    m = model("every-path")
+    with torch.no_grad():
+        states = [m(torch.randint(0, 256, (1, n)), state=m.new_state(1))[1] for n in (2, 5)]
+    stacked = DecoderState.stack(states)
+    assert stacked.padding.tolist() == [3, 0]
+    stacked.save(tmp_path / "s.safetensors")
+    assert_same_state(DecoderState.load(tmp_path / "s.safetensors"), stacked, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="padding: expected int64"):
+        m.layers[3].mixer(torch.zeros(1, 1, 64), states[0].layers[3], padding=torch.tensor([9]))
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@settings(max_examples=6, deadline=None)
+@given(groups=st.lists(st.tuples(st.lists(st.integers(1, 9), min_size=1, max_size=3), st.integers(1, 5)),
+                       min_size=1, max_size=3))
+def test_forward_groups_equals_forward_per_group(name, groups):
+    """Decode rows and prefill chunks in one pass = each group through `forward` (logits of last positions)."""
+    m = model(name, torch.float64)
+    gen = torch.Generator().manual_seed(len(groups))
+    with torch.no_grad():
+        inputs = []
+        for lengths, T in groups:
+            state = DecoderState.stack([m(torch.randint(0, 256, (1, n), generator=gen), state=m.new_state(1))[1]
+                                        for n in lengths])
+            inputs.append((torch.randint(0, 256, (len(lengths), T), generator=gen), state))
+        for (ids, state), (logits, new_state) in zip(inputs, m.forward_groups(inputs), strict=True):
+            ref_logits, ref_state = m(ids, state=state)
+            torch.testing.assert_close(logits, ref_logits[:, -1], **TOL[torch.float64])
+            assert_same_state(new_state, ref_state, **TOL[torch.float64])

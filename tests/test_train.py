@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -78,6 +83,38 @@ def test_interrupted_save_leaves_the_previous_checkpoint(tmp_path, corpus, monke
     assert (out / "step-0000004.tmp").exists()  # the partial write is left aside, never read
     resumed = train(config(out, corpus), resume=True)
     assert resumed.step_index == 6
+
+
+def test_kill_9_during_a_save_leaves_a_loadable_checkpoint(tmp_path, corpus):
+    """A real `k3 train` process is SIGKILLed while a checkpoint directory is being written; the latest
+    complete checkpoint still loads and the run resumes from it."""
+    out = tmp_path / "killed"
+    command = [sys.executable, "-m", "k3.cli", "train", "--preset", "tiny", "--steps", "400", "--out", str(out),
+               "--data", str(corpus), "--tokens-per-step", "512", "--curriculum", "0:32", "--eval-every", "1000",
+               "--ckpt-every", "1", "--no-progress"]
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    try:
+        while proc.poll() is None and time.monotonic() < deadline:
+            saving = [p for p in out.glob("step-*.tmp") if p.is_dir()]
+            if saving and ckpt.latest_checkpoint(out) is not None:
+                os.kill(proc.pid, signal.SIGKILL)
+                break
+            time.sleep(0.0005)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the run ended before a save could be interrupted"
+    latest = ckpt.latest_checkpoint(out)
+    step = int(latest.name.split("-")[1])
+    from k3.model.lm import K3ForCausalLM
+
+    ckpt.load_weights(latest, K3ForCausalLM(ckpt.read_config(latest)))
+    assert ckpt.load_state(latest) and ckpt.read_train(latest)["steps"] == 400
+    assert main(["train", "--preset", "tiny", "--steps", str(step + 1), "--out", str(out), "--data", str(corpus),
+                 "--tokens-per-step", "512", "--curriculum", "0:32", "--eval-every", "1000", "--ckpt-every", "1",
+                 "--no-progress", "--resume"]) == 0
+    assert ckpt.latest_checkpoint(out).name == f"step-{step + 1:07d}"
 
 
 def test_checkpoint_errors_name_the_file_and_field(tmp_path, corpus):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from fractions import Fraction
 from pathlib import Path
@@ -80,15 +81,9 @@ def _eval(args: argparse.Namespace) -> int:
 
 def _generate(args: argparse.Namespace) -> int:
     from k3.generation import stream
-    from k3.model.lm import K3ForCausalLM
-    from k3.train.checkpoint import load_weights, read_config, resolve
-    from k3.train.tokenizer import Tokenizer
+    from k3.train.checkpoint import load_model
 
-    path = resolve(Path(args.ckpt))
-    model = K3ForCausalLM(read_config(path))
-    load_weights(path, model)
-    model.eval()
-    tokenizer = Tokenizer.load(path)
+    model, tokenizer = load_model(Path(args.ckpt))
     prompt = tokenizer.encode(args.prompt) or [tokenizer.bos_id]
     print(args.prompt, end="", flush=True)
     ids: list[int] = []
@@ -96,6 +91,83 @@ def _generate(args: argparse.Namespace) -> int:
                         stop_ids=(tokenizer.eos_id,)):
         ids.append(token)
     print(tokenizer.decode(ids))
+    return 0
+
+
+def _engine(args: argparse.Namespace):
+    from k3.serve.engine import Engine
+    from k3.train.checkpoint import load_model
+
+    model, tokenizer = load_model(Path(args.ckpt))
+    return Engine(model, tokenizer, max_model_len=args.max_model_len, max_batch=args.max_batch,
+                  prefill_chunk=args.prefill_chunk)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import torch
+    import uvicorn
+
+    from k3.serve.api import create_app
+
+    torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) - 1))
+    engine = _engine(args).start()
+    name = args.model_name or Path(args.ckpt).resolve().name
+    app = create_app(engine, name, api_key=args.api_key, default_mode=args.mode)
+    print(f"k3 serve: model {name!r} at http://{args.host}:{args.port}/v1 (context {engine.max_model_len} tokens)",
+          flush=True)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    finally:
+        engine.stop()
+    return 0
+
+
+def _chat(args: argparse.Namespace) -> int:
+    from k3.serve.chat import MODES, AssistantParser, render
+    from k3.serve.engine import SamplingParams
+
+    engine = _engine(args)
+    tokenizer = engine.tokenizer
+    mode, history = args.mode, []
+    stops = (tokenizer.special_id("end"), tokenizer.eos_id)
+    print(f"k3 chat ({mode} mode). Commands: /reset, /mode thinking|instruct, /quit", flush=True)
+    for line in sys.stdin:
+        line = line.rstrip("\n")
+        if line.strip() in ("/quit", "/exit"):
+            break
+        if line.strip() == "/reset":
+            history = []
+            print("(history cleared)", flush=True)
+            continue
+        if line.startswith("/mode"):
+            wanted = line.split()[-1]
+            if wanted not in MODES:
+                print(f"(unknown mode {wanted!r}; choose {' or '.join(MODES)})", flush=True)
+            else:
+                mode = wanted
+                print(f"({mode} mode)", flush=True)
+            continue
+        history.append({"role": "user", "content": line})
+        prompt = render(history, tokenizer, mode)
+        budget = engine.max_model_len - len(prompt)
+        if budget < 1:
+            print("(the conversation fills the context; /reset to start over)", flush=True)
+            history.pop()
+            continue
+        params = SamplingParams(max_tokens=min(args.max_tokens, budget), temperature=args.temperature,
+                                top_p=args.top_p, seed=args.seed, stop_token_ids=stops)
+        parts = {"reasoning": "", "content": "", "tools": ""}
+        channel = None
+        for output in engine.generate(prompt, params, processor=AssistantParser(tokenizer, mode)):
+            for ch, text in output.deltas:
+                if ch != channel:
+                    print(f"\n[{ch}] " if channel else f"[{ch}] ", end="")
+                    channel = ch
+                print(text, end="", flush=True)
+                parts[ch] += text
+        print(flush=True)
+        history.append({"role": "assistant", "content": parts["content"] + parts["tools"],
+                        "reasoning_content": parts["reasoning"]})
     return 0
 
 
@@ -148,6 +220,29 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int)
     gen.set_defaults(run=_generate)
+    for name, help_, run in (("serve", "an OpenAI-compatible HTTP server for a checkpoint", _serve),
+                             ("chat", "chat with a checkpoint in the terminal", _chat)):
+        sub = commands.add_parser(name, help=help_)
+        sub.add_argument("--ckpt", required=True, help="a run directory or a checkpoint directory")
+        sub.add_argument("--mode", choices=("thinking", "instruct"), default="thinking")
+        sub.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
+        sub.add_argument("--max-batch", type=int, default=32, help="most requests decoded together")
+        sub.add_argument("--prefill-chunk", type=int, default=32,
+                         help="prompt tokens prefilled per step while other requests decode (their latency vs "
+                              "the new prompt's time to first token)")
+        sub.set_defaults(run=run)
+        if name == "serve":
+            sub.add_argument("--host", default="127.0.0.1")
+            sub.add_argument("--port", type=int, default=8000)
+            sub.add_argument("--api-key", help="require 'Authorization: Bearer KEY'")
+            sub.add_argument("--model-name", help="the served model id (default: the checkpoint directory name)")
+            sub.add_argument("--threads", type=int, help="torch intra-op threads (default: all cores but one, which "
+                             "is left to the HTTP server)")
+        else:
+            sub.add_argument("--max-tokens", type=int, default=256)
+            sub.add_argument("--temperature", type=float, default=0.7)
+            sub.add_argument("--top-p", type=float, default=0.95)
+            sub.add_argument("--seed", type=int)
     args = parser.parse_args(argv)
     try:
         return args.run(args)

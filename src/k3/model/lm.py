@@ -3,6 +3,7 @@
 ``forward(input_ids | inputs_embeds, state) -> (logits, state)``: with a `DecoderState` the call
 continues from it and returns the advanced state (the passed state is not modified); calling token by
 token, in chunks, or on any split of the sequence gives the same logits and final state as one call.
+A stacked state (`DecoderState.stack`) continues sequences of unequal lengths in one batch.
 Without a state (training) nothing is cached and the returned state is None.
 """
 
@@ -35,10 +36,18 @@ class DecoderLayer(nn.Module):
         self.mixer_query = nn.Parameter(torch.zeros(d)) if config.attn_res.enabled else None
         self.ffn_query = nn.Parameter(torch.zeros(d)) if config.attn_res.enabled else None
 
-    def forward(self, depth: BlockAttnRes | Residual, state):
-        a, state = self.mixer(self.mixer_norm(depth.retrieve(self.mixer_query)), state)
+    def forward(self, depth: BlockAttnRes | Residual, state, padding: Tensor | None = None):
+        a, state = self.mix(self.mixer_norm(depth.retrieve(self.mixer_query)), state, padding)
+        return self.feed_forward(depth, a), state
+
+    def mix(self, x: Tensor, state, padding: Tensor | None = None):
+        """The sequence mixer alone (KDA or MLA) on normalised input ``x``."""
+        return self.mixer(x, state) if self.kind == "kda" else self.mixer(x, state, padding=padding)
+
+    def feed_forward(self, depth: BlockAttnRes | Residual, a: Tensor) -> BlockAttnRes | Residual:
+        """Retrieve after the mixer output ``a``, apply the FFN / MoE, commit both outputs."""
         f = self.ffn(self.ffn_norm(depth.retrieve_after(a, self.ffn_query)))
-        return depth.commit(a, f), state
+        return depth.commit(a, f)
 
 
 class K3ForCausalLM(nn.Module):
@@ -94,11 +103,54 @@ class K3ForCausalLM(nn.Module):
                  else Residual.start(x))
         layer_states = []
         for i, layer in enumerate(self.layers):
-            depth, layer_state = layer(depth, None if state is None else state.layers[i])
+            depth, layer_state = layer(depth, None, None) if state is None else layer(depth, state.layers[i],
+                                                                                       state.padding)
             layer_states.append(layer_state)
         h = self.norm(depth.retrieve(self.final_query))
         logits = h @ self.embed_tokens.weight.T if self.lm_head is None else self.lm_head(h)
         if state is None:
             return logits, None
         last_sources = depth.stacked()[:, :, -1].transpose(0, 1)  # [B, S, d]
-        return logits, DecoderState(layer_states, last_sources, state.position + T)
+        return logits, DecoderState(layer_states, last_sources, state.position + T, state.padding)
+
+    def forward_groups(self, groups: list[tuple[Tensor, DecoderState]]) -> list[tuple[Tensor, DecoderState]]:
+        """Continue several batches in one pass (serving: decode rows and a prefill chunk together).
+
+        ``groups`` are ``(input_ids [B_g, T_g], state_g)``; returns per group the logits of each row's last
+        position ``[B_g, V]`` and the advanced state — what `forward` gives per group. Token-wise work
+        (embedding, AttnRes, norms, FFN / MoE, head) runs once over all tokens; only the sequence mixers
+        run per group.
+        """
+        if not groups:
+            raise ValueError("groups: expected at least one (input_ids, state) pair")
+        for g, (ids, state) in enumerate(groups):
+            if ids.dim() != 2 or state is None or state.batch_size != ids.shape[0] or len(state.layers) != len(
+                    self.layers):
+                raise ValueError(f"groups[{g}]: expected input_ids [B, T] and a DecoderState of batch size B")
+        shapes = [ids.shape for ids, _ in groups]
+        x = torch.cat([self.embed(ids, None).reshape(1, -1, self.config.hidden_size) for ids, _ in groups], 1)
+        cfg = self.config
+        depth = (BlockAttnRes.start(x, cfg.attn_res.block_size, cfg.rms_norm_eps) if cfg.attn_res.enabled
+                 else Residual.start(x))
+        sizes = [B * T for B, T in shapes]
+        layer_states: list[list] = [[] for _ in groups]
+        for i, layer in enumerate(self.layers):
+            h = layer.mixer_norm(depth.retrieve(layer.mixer_query))
+            outputs = []
+            for g, (part, (_, state)) in enumerate(zip(h.split(sizes, dim=1), groups)):
+                a, layer_state = layer.mix(part.reshape(*shapes[g], -1), state.layers[i], state.padding)
+                outputs.append(a.reshape(1, -1, a.shape[-1]))
+                layer_states[g].append(layer_state)
+            depth = layer.feed_forward(depth, torch.cat(outputs, dim=1))
+        last = torch.tensor([0] + sizes).cumsum(0)[1:] - 1  # flat index of each group's final token
+        rows = torch.cat([torch.arange(start - B * T + T, start + 1, T) for start, (B, T) in
+                          zip(last.tolist(), shapes)])  # each row's last token
+        h = self.norm(depth.retrieve(self.final_query))[0, rows]
+        logits = h @ self.embed_tokens.weight.T if self.lm_head is None else self.lm_head(h)
+        sources = depth.stacked()[:, 0, rows].transpose(0, 1)  # [rows, S, d]
+        out, offset = [], 0
+        for g, ((B, T), (_, state)) in enumerate(zip(shapes, groups)):
+            out.append((logits[offset:offset + B], DecoderState(layer_states[g], sources[offset:offset + B],
+                                                                state.position + T, state.padding)))
+            offset += B
+        return out

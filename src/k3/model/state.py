@@ -1,7 +1,9 @@
 """`DecoderState`: the model's whole causal state as one explicit, copyable value.
 
 It holds every layer's KDA state (ShortConv window + recurrent state) or MLA latent cache, the Block
-AttnRes depth sources of the last position, and the number of tokens consumed. Serving checkpoints it
+AttnRes depth sources of the last position, and the number of tokens consumed. Sequences of unequal
+lengths share one batch (`stack`) by left-padding the MLA caches; ``padding[b]`` counts row b's padded
+leading positions, which attention masks out, and `unstack` strips them again. Serving checkpoints it
 at token boundaries, restores it from a prefix cache, replays it after speculative drafts and ships
 it between ranks, so it is plain tensors: `clone`, `to`, `select` (batch rows), `save` / `load`.
 """
@@ -14,6 +16,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor
@@ -25,6 +28,10 @@ LayerState = KDAState | MLACache
 _KINDS = {"kda": KDAState, "mla": MLACache}
 
 
+def _cat(states: list[LayerState]) -> LayerState:
+    return replace(states[0], **{f.name: torch.cat([getattr(s, f.name) for s in states]) for f in fields(states[0])})
+
+
 def _map(state: LayerState, fn) -> LayerState:
     return replace(state, **{f.name: fn(getattr(state, f.name)) for f in fields(state)})
 
@@ -33,7 +40,8 @@ def _map(state: LayerState, fn) -> LayerState:
 class DecoderState:
     layers: list[LayerState]
     depth: Tensor | None = None  # [B, S, d]: depth sources at the last position after the final layer
-    position: int = 0  # tokens consumed
+    position: int = 0  # tokens consumed (by the longest row when padded)
+    padding: Tensor | None = None  # [B] int64: leading cache positions of each row that are padding
 
     @property
     def batch_size(self) -> int:
@@ -42,8 +50,10 @@ class DecoderState:
 
     def apply(self, fn) -> DecoderState:
         """A new state with ``fn`` applied to every tensor."""
-        return DecoderState([_map(s, fn) for s in self.layers], None if self.depth is None else fn(self.depth),
-                            self.position)
+        def opt(t: Tensor | None) -> Tensor | None:
+            return None if t is None else fn(t)
+
+        return DecoderState([_map(s, fn) for s in self.layers], opt(self.depth), self.position, opt(self.padding))
 
     def clone(self) -> DecoderState:
         return self.apply(torch.clone)
@@ -58,11 +68,57 @@ class DecoderState:
         index = torch.as_tensor(rows, dtype=torch.long)
         return self.apply(lambda t: t.index_select(0, index.to(t.device)))
 
+    # ------------------------------------------------------------------ batching unequal lengths
+    @classmethod
+    def stack(cls, states: list[DecoderState]) -> DecoderState:
+        """One batch of all rows of ``states`` (any positions): MLA caches left-padded to the longest.
+
+        Continuing the stacked state gives each row what continuing it alone would give (up to float
+        reduction order); `unstack` recovers the per-sequence states.
+        """
+        if not states:
+            raise ValueError("stack: expected at least one DecoderState")
+        kinds = [type(s) for s in states[0].layers]
+        for i, st in enumerate(states):
+            if [type(s) for s in st.layers] != kinds or (st.depth is None) != (states[0].depth is None):
+                raise ValueError(f"stack: state {i} has a different layer layout than state 0")
+        position = max(st.position for st in states)
+        shift = [position - st.position for st in states]
+        padding = torch.cat([st.row_padding() + k for st, k in zip(states, shift)])
+        layers: list[LayerState] = []
+        for i, kind in enumerate(kinds):
+            if kind is MLACache:
+                layers.append(MLACache(*(torch.cat([F.pad(getattr(st.layers[i], name), (0, 0, k, 0))
+                                                    for st, k in zip(states, shift)])
+                                         for name in ("latent", "shared_key"))))
+            else:
+                layers.append(_cat([st.layers[i] for st in states]))
+        depth = None if states[0].depth is None else torch.cat([st.depth for st in states])
+        return cls(layers, depth, position, padding)
+
+    def unstack(self) -> list[DecoderState]:
+        """Each row as its own batch-1 state, its padding stripped (inverse of `stack`)."""
+        rows = []
+        for b, pad in enumerate(self.row_padding().tolist()):
+            row = self.select(slice(b, b + 1))
+            layers = [MLACache(s.latent[:, pad:], s.shared_key[:, pad:]) if isinstance(s, MLACache) else s
+                      for s in row.layers]
+            rows.append(DecoderState(layers, row.depth, self.position - pad))
+        return rows
+
+    def row_padding(self) -> Tensor:
+        """``[B]`` leading padded positions per row (zeros when unpadded)."""
+        if self.padding is not None:
+            return self.padding
+        return torch.zeros(self.batch_size, dtype=torch.long)
+
     # ------------------------------------------------------------------ serialisation
     def tensors(self) -> dict[str, Tensor]:
         out = {f"layers.{i}.{f.name}": getattr(s, f.name) for i, s in enumerate(self.layers) for f in fields(s)}
         if self.depth is not None:
             out["depth"] = self.depth
+        if self.padding is not None:
+            out["padding"] = self.padding
         return {name: t.contiguous() for name, t in out.items()}
 
     def save(self, path: str | os.PathLike) -> None:
@@ -93,4 +149,4 @@ class DecoderState:
             position = int(meta["position"])
         except (KeyError, ValueError, TypeError) as err:
             raise ValueError(f"{path}: malformed DecoderState ({type(err).__name__}: {err})") from err
-        return cls(layers, tensors.get("depth"), position)
+        return cls(layers, tensors.get("depth"), position, tensors.get("padding"))

@@ -131,7 +131,13 @@ class Experts(nn.Module):
     Dispatch (SPEC §9): the N·k token–expert pairs are sorted by expert (stable), each expert with
     at least one pair runs once on its contiguous slice, outputs are scaled by the pair weight and
     scatter-added back per token, accumulating in ``promote(x.dtype, weights.dtype)``.
+
+    For a handful of tokens (``N·E ≤ DENSE_LIMIT``, e.g. a decode step) that is one small matmul
+    chain per active expert, so instead every expert runs on every token in two matmuls and the
+    unselected ones get weight 0 — the same sum with a few operators instead of a few per expert.
     """
+
+    DENSE_LIMIT = 512
 
     def __init__(
         self, n_experts: int, width: int, hidden: int, activation: str, situ: SiTUConfig, std: float = 0.02
@@ -152,6 +158,8 @@ class Experts(nn.Module):
     def forward(self, x: Tensor, weights: Tensor, indices: Tensor) -> Tensor:
         """x [N, W], weights [N, k], indices [N, k] → Σ_j weights_j · Expert_{indices_j}(x), [N, W] in x.dtype."""
         n_tokens, k = indices.shape
+        if n_tokens * self.gate_up.shape[0] <= self.DENSE_LIMIT:
+            return self._dense(x, weights, indices)
         flat = indices.reshape(-1)
         order = torch.argsort(flat, stable=True)
         token = order // k
@@ -168,6 +176,17 @@ class Experts(nn.Module):
         y = y.to(acc) * weights.reshape(-1)[order, None].to(acc)
         out = torch.zeros(n_tokens, x.shape[-1], dtype=acc, device=x.device)
         return out.index_add_(0, token, y).to(x.dtype)
+
+    def _dense(self, x: Tensor, weights: Tensor, indices: Tensor) -> Tensor:
+        """All experts on all tokens, weighted by the routing weight (0 where not selected)."""
+        (N, _), (E, _, W) = indices.shape, self.gate_up.shape
+        acc = torch.promote_types(x.dtype, weights.dtype)
+        gate, up = (x @ self.gate_up.reshape(E * 2 * self.hidden, W).T).view(N, E, 2 * self.hidden).split(
+            self.hidden, dim=-1)
+        h = _activate(gate, up, self.activation, self.gate_cap, self.up_cap)  # [N, E, F]
+        y = torch.bmm(h.transpose(0, 1), self.down.transpose(1, 2)).to(acc)  # [E, N, W]
+        mix = torch.zeros(N, E, dtype=acc, device=x.device).scatter_add_(1, indices, weights.to(acc))
+        return torch.einsum("enw,ne->nw", y, mix).to(x.dtype)
 
     def extra_repr(self) -> str:
         n, _, width = self.gate_up.shape

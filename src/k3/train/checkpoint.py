@@ -26,6 +26,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from k3.config import K3Config
+from k3.model.lm import K3ForCausalLM
+from k3.train.tokenizer import Tokenizer
 
 LATEST = "latest"
 
@@ -55,6 +57,28 @@ def save_checkpoint(out: Path, step: int, model: torch.nn.Module, config: K3Conf
     for old in sorted(out.glob("step-???????"))[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def save_model(directory: Path, model: torch.nn.Module, tokenizer: Tokenizer) -> Path:
+    """Write an inference checkpoint (weights, config, tokenizer; no training state) atomically."""
+    directory = Path(directory)
+    tmp = directory.with_name(directory.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file({name: t.detach().contiguous() for name, t in model.state_dict().items()}, str(tmp / "model.safetensors"))
+    (tmp / "config.json").write_text(model.config.to_json())
+    tokenizer.save(tmp)
+    shutil.rmtree(directory, ignore_errors=True)
+    os.replace(tmp, directory)
+    return directory
+
+
+def load_model(path: Path) -> tuple[K3ForCausalLM, Tokenizer]:
+    """The model (in eval mode) and tokenizer of a checkpoint or run directory (its newest checkpoint)."""
+    ckpt = resolve(Path(path))
+    model = K3ForCausalLM(read_config(ckpt))
+    load_weights(ckpt, model)
+    return model.eval(), Tokenizer.load(ckpt)
 
 
 def latest_checkpoint(out: Path) -> Path | None:

@@ -45,8 +45,8 @@ class ShortConv(nn.Module):
             window = x.new_zeros(B, width - 1, C)
         full = torch.cat([window.to(x.dtype), x], dim=1)
         weight = self.weight.to(x.dtype)
-        if T == 1:  # decode: one dot per channel beats a convolution call by ~100x on CPU
-            y = (full * weight.T).sum(1, keepdim=True)
+        if T <= 64:  # decode and short prefill chunks: a windowed dot per channel beats a convolution call on CPU
+            y = (full.unfold(1, width, 1) * weight).sum(-1)
         else:
             y = F.conv1d(full.transpose(1, 2), weight.unsqueeze(1), groups=C).transpose(1, 2)
         return F.silu(y), full[:, full.shape[1] - (width - 1):]
@@ -131,7 +131,8 @@ class KDALayer(nn.Module):
             o, final = kda.step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], initial)
             o = o.unsqueeze(1)
         else:
-            o, final = kda.chunked(q, k, v, g, beta, initial_state=initial, chunk_size=self.chunk_size)
+            chunk = min(self.chunk_size, -(-T // 16) * 16)  # short prefill chunks: no padding to a long chunk
+            o, final = kda.chunked(q, k, v, g, beta, initial_state=initial, chunk_size=chunk)
         gate = self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))
         o = self.o_norm(_at_least_fp32(o)) * torch.sigmoid(_at_least_fp32(gate.unflatten(-1, (H, V))))
         y = self.o_proj(o.flatten(2).to(x.dtype))

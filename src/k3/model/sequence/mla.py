@@ -116,21 +116,23 @@ class GatedMLA(nn.Module):
         return MLACache(torch.zeros(batch_size, 0, self.kv_lora_rank, device=device, dtype=dtype),
                         torch.zeros(batch_size, 0, self.shared_dim, device=device, dtype=dtype))
 
-    def forward(self, x: Tensor, state: MLACache | None = None, *,
-                path: str | None = None) -> tuple[Tensor, MLACache | None]:
+    def forward(self, x: Tensor, state: MLACache | None = None, *, path: str | None = None,
+                padding: Tensor | None = None) -> tuple[Tensor, MLACache | None]:
         """Attend causally over ``x`` ``[B, T, d]`` and, given a state, over the cache before it.
 
         ``state=None`` (training): causal within x; returns ``(y, None)``. With a state the tokens'
         ``(c_kv, k_s)`` are appended before attending (query i sees cache positions ≤ L0 + i) and the
         new cache is returned; the passed-in state is untouched. ``path`` forces "full" or
         "absorbed"; by default decode (a state and T == 1) is absorbed and everything else full.
+        ``padding`` ``[B]`` (with a state): row b's first ``padding[b]`` cache positions are left
+        padding of a batch of unequal lengths and are masked out.
         """
-        self._check_inputs(x, state, path)
+        self._check_inputs(x, state, path, padding)
         B, T, _ = x.shape
         q, c_kv, k_s = self._project(x)
         cache = MLACache(c_kv, k_s) if state is None else state.append(c_kv, k_s)
         absorbed = path == "absorbed" if path is not None else (state is not None and T == 1)
-        o = self._attend_absorbed(q, cache) if absorbed else self._attend_full(q, cache)
+        o = self._attend_absorbed(q, cache, padding) if absorbed else self._attend_full(q, cache, padding)
         if self.g_proj is not None:
             o = o * torch.sigmoid(self.g_proj(x)).view(B, T, self.num_heads, self.v_dim)
         y = self.o_proj(o.reshape(B, T, self.num_heads * self.v_dim))
@@ -155,7 +157,15 @@ class GatedMLA(nn.Module):
         """``[T, L]`` boolean mask: query i (absolute position L - T + i) sees cache positions ≤ L - T + i."""
         return torch.arange(L, device=device) <= torch.arange(L - T, L, device=device)[:, None]
 
-    def _attend_full(self, q: Tensor, cache: MLACache) -> Tensor:
+    @classmethod
+    def _mask(cls, T: int, L: int, padding: Tensor | None, device: torch.device) -> Tensor | None:
+        """Visibility ``[T, L]`` (``[B, 1, T, L]`` with padding), or None when everything is visible."""
+        if padding is None:
+            return None if T == 1 else cls._visible(T, L, device)
+        real = torch.arange(L, device=device) >= padding.to(device)[:, None]  # [B, L]
+        return real[:, None, None, :] & cls._visible(T, L, device)
+
+    def _attend_full(self, q: Tensor, cache: MLACache, padding: Tensor | None = None) -> Tensor:
         """Per-head keys ``[c_kv W_uk_h ; k_s]`` and values ``c_kv W_uv_h`` for all L positions, then SDPA.
 
         ``q`` ``[B, H, T, nope + shared]`` are the last T positions of ``cache``; returns ``[B, T, H, v]``.
@@ -166,23 +176,25 @@ class GatedMLA(nn.Module):
         kv = self.kv_b_proj(cache.latent).view(B, L, H, self.nope_dim + self.v_dim).transpose(1, 2)
         k_content, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
         k = torch.cat([k_content, cache.shared_key.unsqueeze(1).expand(B, H, L, self.shared_dim)], dim=-1)
+        mask = self._mask(T, L, padding, q.device)
         if self.record_max_logits:
-            self._record_max_logits(q, k)
-        mask = None if L == T else self._visible(T, L, q.device)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=L == T, scale=self.scale)
+            self._record_max_logits(q, k, mask)
+        causal = L == T and mask is not None and mask.dim() == 2
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=None if causal else mask, is_causal=causal,
+                                           scale=self.scale)
         return o.transpose(1, 2)
 
     @torch.no_grad()
-    def _record_max_logits(self, q: Tensor, k: Tensor) -> None:
-        """Fold the per-head max of the causally visible scaled logits ``q·k·scale`` (≥ fp32) into `max_logits`."""
-        T, L = q.shape[2], k.shape[2]
+    def _record_max_logits(self, q: Tensor, k: Tensor, mask: Tensor | None) -> None:
+        """Fold the per-head max of the visible scaled logits ``q·k·scale`` (≥ fp32) into `max_logits`."""
         dtype = torch.promote_types(q.dtype, torch.float32)
         scores = (q.to(dtype) @ k.to(dtype).transpose(-1, -2)) * self.scale
-        scores = scores.masked_fill(~self._visible(T, L, q.device), float("-inf"))
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
         current = scores.amax(dim=(0, 2, 3))
         self.max_logits = current if self.max_logits is None else torch.maximum(self.max_logits, current)
 
-    def _attend_absorbed(self, q: Tensor, cache: MLACache) -> Tensor:
+    def _attend_absorbed(self, q: Tensor, cache: MLACache, padding: Tensor | None = None) -> Tensor:
         """Latent-space attention: score ``q̃_h · c_kv + q_shared_h · k_s`` with ``q̃_h = W_uk_hᵀ q_content_h``.
 
         The weighted sum of c_kv is taken in latent space and ``W_uv_h`` applied last. Same inputs
@@ -190,7 +202,6 @@ class GatedMLA(nn.Module):
         are upcast (a no-op for fp32/fp64), since 576-wide scores rounded to bf16 before the softmax
         are about ten times less accurate than the full path.
         """
-        T, L = q.shape[2], cache.length
         dtype = torch.promote_types(q.dtype, torch.float32)
         w_uk, w_uv = (w.to(dtype) for w in self._up_weights())
         latent, shared_key = cache.latent.to(dtype), cache.shared_key.to(dtype)
@@ -198,13 +209,14 @@ class GatedMLA(nn.Module):
         latent, shared_key = latent.unsqueeze(1), shared_key.unsqueeze(1)  # one "head" shared by all H
         q_latent = q_content @ w_uk  # [B, H, T, r]
         scores = (q_latent @ latent.transpose(-1, -2) + q_shared @ shared_key.transpose(-1, -2)) * self.scale
-        if T > 1:
-            scores = scores.masked_fill(~self._visible(T, L, q.device), float("-inf"))
+        mask = self._mask(q.shape[2], cache.length, padding, q.device)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
         o_latent = torch.softmax(scores, dim=-1) @ latent  # [B, H, T, r]
         return (o_latent @ w_uv.transpose(-1, -2)).transpose(1, 2).to(q.dtype)
 
     # ------------------------------------------------------------------ validation
-    def _check_inputs(self, x: Tensor, state: MLACache | None, path: str | None) -> None:
+    def _check_inputs(self, x: Tensor, state: MLACache | None, path: str | None, padding: Tensor | None) -> None:
         d = self.hidden_size
         if not isinstance(x, Tensor) or x.dim() != 3 or x.shape[-1] != d or not x.is_floating_point():
             got = f"{x.dtype} {list(x.shape)}" if isinstance(x, Tensor) else type(x).__name__
@@ -214,6 +226,8 @@ class GatedMLA(nn.Module):
         if path is not None and path not in PATHS:
             raise ValueError(f"path: expected one of {PATHS} or None, got {path!r}")
         if state is None:
+            if padding is not None:
+                raise ValueError("padding: only meaningful with a state (a padded cache)")
             return
         if not isinstance(state, MLACache):
             raise ValueError(f"state: expected an MLACache or None, got {type(state).__name__}")
@@ -228,3 +242,7 @@ class GatedMLA(nn.Module):
         if state.shared_key.shape[1] != state.latent.shape[1]:
             raise ValueError(f"state: latent holds {state.latent.shape[1]} tokens, "
                              f"shared_key {state.shared_key.shape[1]}")
+        if padding is not None and (not isinstance(padding, Tensor) or padding.shape != (B,)
+                                    or padding.dtype != torch.int64 or bool((padding < 0).any())
+                                    or bool((padding > state.length).any())):
+            raise ValueError(f"padding: expected int64 [B={B}] in [0, L={state.length}], got {padding!r}")

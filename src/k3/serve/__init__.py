@@ -1,0 +1,1 @@
+"""Serving: the continuous-batching engine, the K3 chat format and the OpenAI-compatible HTTP server."""

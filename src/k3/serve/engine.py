@@ -1,0 +1,429 @@
+"""The continuous-batching inference engine (issue 5): requests join and leave a running batch between steps.
+
+Each request owns a `DecoderState`. One `Engine.step`:
+
+1. admits waiting requests (up to ``max_batch`` running) with an empty state;
+2. makes **one** model call (`K3ForCausalLM.forward_groups`) holding every request that has a
+   sampled token pending — their states stacked (`DecoderState.stack`, MLA caches left-padded and
+   masked; the stacked state is reused while the set is unchanged) and unstacked afterwards — plus
+   chunks of at most ``prefill_chunk`` prompt tokens in all, taken from the prefilling requests in
+   arrival order. A long prompt thus advances a chunk per step and never stalls the others; the
+   request whose prompt completes samples its first token. With no request decoding there is no
+   latency to protect, and the budget grows to ``IDLE_PREFILL`` tokens.
+
+A row's result does not depend on its batch neighbours (up to float reduction order), so greedy
+output is batch-invariant. Sampling is per request (`SamplingParams`, a private generator per seed).
+Generated ids go through the request's `Processor` (text, or the chat channels), stop strings are
+matched on the visible channels with a hold-back so a stop string is never streamed, and every step
+reports an `Output` per request to its callback. `start` runs steps on a background thread;
+`generate` is a blocking iterator that works with or without it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+from collections import Counter, deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from k3.generation import sample_next
+from k3.model.lm import K3ForCausalLM
+from k3.model.state import DecoderState
+from k3.serve.detok import IncrementalDetokenizer
+from k3.train.tokenizer import Tokenizer
+
+__all__ = ["SamplingParams", "TokenLogprob", "Output", "Processor", "TextProcessor", "ContextLengthExceeded",
+           "Engine"]
+
+#: Channels on which stop strings are matched (plain completions, and the chat response).
+STOP_CHANNELS = ("text", "content")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling. ``temperature == 0`` is greedy; ``logprobs=k`` reports the chosen token's
+    log-probability and the k most likely alternatives (None: off)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    logprobs: int | None = None
+
+    def check(self, vocab_size: int) -> None:
+        """Raise ValueError naming the first invalid field."""
+        def bad(name: str, want: str) -> ValueError:
+            return ValueError(f"{name}: expected {want}, got {getattr(self, name)!r}")
+
+        def integer(x: object) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        if not integer(self.max_tokens) or self.max_tokens < 1:
+            raise bad("max_tokens", "a positive integer")
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, int | float) \
+                or not 0 <= self.temperature <= 100:
+            raise bad("temperature", "a number in [0, 100]")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, int | float) or not 0 < self.top_p <= 1:
+            raise bad("top_p", "a number in (0, 1]")
+        if not integer(self.top_k) or self.top_k < 0:
+            raise bad("top_k", "a non-negative integer (0 = off)")
+        if self.seed is not None and not integer(self.seed):
+            raise bad("seed", "an integer or None")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise bad("stop", "non-empty strings")
+        if not all(integer(t) and 0 <= t < vocab_size for t in self.stop_token_ids):
+            raise bad("stop_token_ids", f"token ids in [0, {vocab_size})")
+        if self.logprobs is not None and (not integer(self.logprobs) or not 0 <= self.logprobs <= 20):
+            raise bad("logprobs", "an integer in [0, 20] or None")
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # the most likely alternatives, best first
+
+
+@dataclass
+class Output:
+    """What one step produced for one request: text deltas per channel, the new token ids, and,
+    on the last output, ``finish_reason`` ("stop", "length", "abort" or "error" with ``error``)."""
+
+    request_id: str
+    deltas: list[tuple[str, str]]
+    token_ids: list[int]
+    logprobs: list[TokenLogprob]
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+class Processor(Protocol):
+    """Turns generated ids into ``(channel, text)`` deltas."""
+
+    def feed(self, token_id: int) -> list[tuple[str, str]]: ...
+
+    def flush(self) -> list[tuple[str, str]]: ...
+
+
+class TextProcessor:
+    """Plain completions: one "text" channel; special tokens produce no text."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._special = set(tokenizer.special_ids.values())
+        self._detok = IncrementalDetokenizer(tokenizer)
+
+    def feed(self, token_id: int) -> list[tuple[str, str]]:
+        if token_id in self._special:
+            return []
+        text = self._detok.push(token_id)
+        return [("text", text)] if text else []
+
+    def flush(self) -> list[tuple[str, str]]:
+        text = self._detok.flush()
+        return [("text", text)] if text else []
+
+
+class ContextLengthExceeded(ValueError):
+    """A prompt plus ``max_tokens`` longer than the model's context length."""
+
+    def __init__(self, prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
+        self.prompt_tokens, self.max_tokens, self.max_model_len = prompt_tokens, max_tokens, max_model_len
+        super().__init__(f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                         f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, {max_tokens} in the "
+                         f"completion). Please reduce the prompt or max_tokens.")
+
+
+@dataclass(eq=False)
+class _Request:
+    id: str
+    prompt: list[int]
+    params: SamplingParams
+    processor: Processor
+    callback: Callable[[Output], None]
+    generator: torch.Generator | None
+    state: DecoderState | None = None
+    prefilled: int = 0
+    pending: int | None = None  # the last sampled token, to be fed at the next decode
+    output_ids: list[int] = field(default_factory=list)
+    held: tuple[str, str] | None = None  # (channel, text) withheld while it may start a stop string
+
+
+class Engine:
+    """Continuous batching over a `K3ForCausalLM` (see the module docstring)."""
+
+    IDLE_PREFILL = 1024  # prompt tokens per step while no request is decoding
+
+    def __init__(self, model: K3ForCausalLM, tokenizer: Tokenizer, *, max_model_len: int | None = None,
+                 max_batch: int = 32, prefill_chunk: int = 32) -> None:
+        if tokenizer.vocab_size > model.config.vocab_size:
+            raise ValueError(f"tokenizer: {tokenizer.vocab_size} ids but the model has vocab_size "
+                             f"{model.config.vocab_size}")
+        if max_batch < 1 or prefill_chunk < 1:
+            raise ValueError(f"max_batch and prefill_chunk must be positive, got {max_batch}, {prefill_chunk}")
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.max_model_len = min(max_model_len or model.config.context_length, model.config.context_length)
+        self.max_batch = max_batch
+        self.prefill_chunk = prefill_chunk
+        self.running: dict[str, _Request] = {}  # admitted (prefilling or decoding), in arrival order
+        self._waiting: deque[_Request] = deque()
+        self.finished: Counter[str] = Counter()  # requests ended, by finish reason
+        self._ids = itertools.count()
+        self._queue_lock = threading.Lock()  # guards _waiting (held briefly)
+        self._step_lock = threading.RLock()  # held for a whole step; abort takes it to free state at once
+        self._wake = threading.Condition(self._queue_lock)
+        self._cancelled: set[str] = set()  # aborts requested while a step was running
+        self._batch: tuple[list[str], DecoderState] | None = None  # last decode group: request ids, stacked state
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, prompt: list[int], params: SamplingParams, *, request_id: str | None = None,
+                    processor: Processor | None = None, callback: Callable[[Output], None] | None = None) -> str:
+        """Queue a request (thread-safe); ``callback`` receives its `Output` after every step."""
+        if not isinstance(prompt, list) or not prompt:
+            raise ValueError("prompt: expected a non-empty list of token ids")
+        vocab = self.model.config.vocab_size
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
+            raise ValueError(f"prompt: token ids must be integers in [0, {vocab})")
+        params.check(vocab)
+        if len(prompt) + params.max_tokens > self.max_model_len:
+            raise ContextLengthExceeded(len(prompt), params.max_tokens, self.max_model_len)
+        generator = None
+        if params.temperature > 0:
+            generator = torch.Generator()
+            generator.manual_seed(params.seed) if params.seed is not None else generator.seed()
+        request = _Request(request_id or f"req-{next(self._ids)}", list(prompt), params,
+                           processor or TextProcessor(self.tokenizer), callback or (lambda _: None), generator)
+        with self._wake:
+            self._waiting.append(request)
+            self._wake.notify()
+        return request.id
+
+    def abort(self, request_id: str, wait: bool = True) -> bool:
+        """Cancel a request; its state is freed before this returns. False if it is unknown or done.
+
+        With ``wait=False`` (for event loops) it never blocks: when a step is in progress the request
+        is freed as soon as that step ends, and True is returned.
+        """
+        if not self._step_lock.acquire(blocking=wait):
+            with self._queue_lock:
+                self._cancelled.add(request_id)
+            return True
+        try:
+            with self._queue_lock:
+                request = next((r for r in self._waiting if r.id == request_id), None)
+                if request is not None:
+                    self._waiting.remove(request)
+            request = request or self.running.pop(request_id, None)
+            if request is None:
+                return False
+            request.state = None
+            self.finished["abort"] += 1
+            self._deliver(request, self._output(request, [], None, [], "abort"))
+            return True
+        finally:
+            self._step_lock.release()
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def has_work(self) -> bool:
+        return bool(self.running or self._waiting)
+
+    # ------------------------------------------------------------------ one step
+    @torch.inference_mode()
+    def step(self) -> None:
+        """Admit, prefill one chunk budget, decode all ready requests in one batch; report outputs."""
+        with self._step_lock:
+            self._abort_cancelled()
+            with self._queue_lock:
+                while self._waiting and len(self.running) < self.max_batch:
+                    request = self._waiting.popleft()
+                    request.state = self.model.new_state(1)
+                    self.running[request.id] = request
+            ready = [r for r in self.running.values() if r.pending is not None]
+            try:
+                self._forward(ready, self._prefill_chunks(bool(ready)))
+            except Exception as err:  # a failing step ends its requests with an error, not the engine
+                self._batch = None
+                for request in list(self.running.values()):
+                    self._finish(request, [], None, [], "error", f"{type(err).__name__}: {err}")
+            self._abort_cancelled()
+
+    def _abort_cancelled(self) -> None:
+        with self._queue_lock:
+            cancelled, self._cancelled = self._cancelled, set()
+        for request_id in cancelled:
+            self.abort(request_id)
+
+    def _prefill_chunks(self, decoding: bool) -> list[tuple[_Request, list[int]]]:
+        """Up to ``prefill_chunk`` prompt tokens (``IDLE_PREFILL`` when nothing is decoding), from the
+        prefilling requests in arrival order."""
+        budget, chunks = self.prefill_chunk if decoding else max(self.prefill_chunk, self.IDLE_PREFILL), []
+        for request in self.running.values():
+            n = min(budget, len(request.prompt) - request.prefilled)
+            if n > 0:
+                chunks.append((request, request.prompt[request.prefilled:request.prefilled + n]))
+                budget -= n
+        return chunks
+
+    def _forward(self, ready: list[_Request], chunks: list[tuple[_Request, list[int]]]) -> None:
+        """One model pass: the decode rows as one group (states stacked), each prefill chunk as a group."""
+        groups = [(torch.tensor([chunk]), request.state) for request, chunk in chunks]
+        if ready:
+            ids = [r.id for r in ready]
+            if self._batch is None or self._batch[0] != ids:  # reuse last step's stacked state when unchanged
+                self._batch = (ids, DecoderState.stack([r.state for r in ready]))
+            groups.append((torch.tensor([[r.pending] for r in ready]), self._batch[1]))
+        if not groups:
+            return
+        results = self.model.forward_groups(groups)
+        if ready:
+            logits, state = results.pop()
+            self._batch = (self._batch[0], state)
+            for request, row_state in zip(ready, state.unstack()):
+                request.state = row_state
+        for (request, chunk), (logits_, state) in zip(chunks, results):
+            request.state, request.prefilled = state, request.prefilled + len(chunk)
+            if request.prefilled == len(request.prompt):
+                self._sample([request], logits_)
+        if ready:
+            self._sample(ready, logits)
+
+    def _sample(self, requests: list[_Request], logits: Tensor) -> None:
+        logits = logits.float()
+        logprobs = logits.log_softmax(-1) if any(r.params.logprobs is not None for r in requests) else None
+        greedy = logits.argmax(-1).tolist()
+        for b, request in enumerate(requests):
+            p = request.params
+            token = greedy[b] if p.temperature == 0 else int(
+                sample_next(logits[b:b + 1], p.temperature, p.top_p, p.top_k, request.generator))
+            info = []
+            if p.logprobs is not None:
+                top = logprobs[b].topk(p.logprobs) if p.logprobs else None
+                alternatives = () if top is None else tuple(zip(top.indices.tolist(), top.values.tolist()))
+                info = [TokenLogprob(token, float(logprobs[b, token]), alternatives)]
+            self._emit(request, token, info)
+
+    # ------------------------------------------------------------------ outputs
+    def _emit(self, request: _Request, token: int, info: list[TokenLogprob]) -> None:
+        request.output_ids.append(token)
+        p = request.params
+        stopped = token in p.stop_token_ids
+        deltas, stopped = self._match_stops(request, request.processor.flush() if stopped
+                                            else request.processor.feed(token), stopped)
+        if stopped:
+            return self._finish(request, deltas, token, info, "stop")
+        if len(request.output_ids) >= p.max_tokens or request.state.position + 1 >= self.max_model_len:
+            more, _ = self._match_stops(request, request.processor.flush(), False)
+            return self._finish(request, deltas + more, token, info, "length")
+        request.pending = token
+        self._deliver(request, self._output(request, deltas, token, info, None))
+
+    def _match_stops(self, request: _Request, deltas: list[tuple[str, str]],
+                     stopped: bool) -> tuple[list[tuple[str, str]], bool]:
+        """Pass deltas through the stop-string filter; True once a stop string matched (text cut before it)."""
+        stops = request.params.stop
+        out: list[tuple[str, str]] = []
+        for channel, text in deltas:
+            if request.held and request.held[0] != channel:
+                out.append(request.held)
+                request.held = None
+            if not stops or channel not in STOP_CHANNELS:
+                out.append((channel, text))
+                continue
+            text = (request.held[1] if request.held else "") + text
+            request.held = None
+            hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+            if hits:
+                out.append((channel, text[:min(hits)]))
+                return [d for d in out if d[1]], True
+            keep = min(len(text), max(map(len, stops)) - 1)
+            out.append((channel, text[:len(text) - keep]))
+            if keep:
+                request.held = (channel, text[len(text) - keep:])
+        if stopped and request.held:
+            out.append(request.held)
+            request.held = None
+        return [d for d in out if d[1]], stopped
+
+    def _finish(self, request: _Request, deltas: list[tuple[str, str]], token: int | None,
+                info: list[TokenLogprob], reason: str, error: str | None = None) -> None:
+        if request.held and reason != "stop":
+            deltas = deltas + [request.held]
+        request.held = None
+        self.running.pop(request.id, None)
+        request.state = None
+        self.finished[reason] += 1
+        self._deliver(request, self._output(request, deltas, token, info, reason, error))
+
+    def _deliver(self, request: _Request, output: Output) -> None:
+        """Hand an output to the request's callback; a failing callback (a gone client) cancels the request."""
+        try:
+            request.callback(output)
+        except Exception:
+            if output.finish_reason is None:
+                with self._queue_lock:
+                    self._cancelled.add(request.id)
+
+    @staticmethod
+    def _output(request: _Request, deltas: list[tuple[str, str]], token: int | None, info: list[TokenLogprob],
+                reason: str | None, error: str | None = None) -> Output:
+        return Output(request.id, deltas, [] if token is None else [token], info, len(request.prompt),
+                      len(request.output_ids), reason, error)
+
+    # ------------------------------------------------------------------ driving
+    def start(self) -> Engine:
+        """Run steps on a background thread whenever there is work."""
+        if self._thread is None:
+            self._stopping = False
+            self._thread = threading.Thread(target=self._loop, name="k3-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not self._stopping and not self.has_work():
+                    self._wake.wait()
+                if self._stopping:
+                    return
+            self.step()
+
+    def generate(self, prompt: list[int], params: SamplingParams, processor: Processor | None = None,
+                 request_id: str | None = None) -> Iterator[Output]:
+        """Yield the request's outputs until it finishes; steps inline when no background thread runs."""
+        outputs: queue.SimpleQueue[Output] = queue.SimpleQueue()
+        rid = self.add_request(prompt, params, request_id=request_id, processor=processor, callback=outputs.put)
+        try:
+            while True:
+                if self._thread is None:
+                    while outputs.empty():
+                        self.step()
+                output = outputs.get()
+                yield output
+                if output.finish_reason is not None:
+                    return
+        finally:
+            self.abort(rid)
