@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         sub.add_argument("--mode", choices=("thinking", "instruct"), default="thinking")
         sub.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
         sub.add_argument("--max-batch", type=int, default=32, help="most requests decoded together")
-        sub.add_argument("--prefill-chunk", type=int, default=32,
+        sub.add_argument("--prefill-chunk", type=int, default=64,
                          help="prompt tokens prefilled per step while other requests decode (their latency vs "
                               "the new prompt's time to first token)")
         sub.set_defaults(run=run)

@@ -165,7 +165,7 @@ class Engine:
     IDLE_PREFILL = 1024  # prompt tokens per step while no request is decoding
 
     def __init__(self, model: K3ForCausalLM, tokenizer: Tokenizer, *, max_model_len: int | None = None,
-                 max_batch: int = 32, prefill_chunk: int = 32) -> None:
+                 max_batch: int = 32, prefill_chunk: int = 64) -> None:
         if tokenizer.vocab_size > model.config.vocab_size:
             raise ValueError(f"tokenizer: {tokenizer.vocab_size} ids but the model has vocab_size "
                              f"{model.config.vocab_size}")
