@@ -200,6 +200,22 @@ def test_a_disconnected_stream_frees_its_state(server, engine):
     assert not engine.running and engine.finished["abort"] == aborted + 1  # cancelled, not run to the end
 
 
+def test_a_disconnected_non_streaming_request_is_cancelled(server, engine):
+    aborted = engine.finished["abort"]
+    parts = urlparse(server.url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
+    body = {"model": MODEL, "prompt": "import json\n", "max_tokens": 500, "temperature": 0}
+    conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"content-type": "application/json"})
+    deadline = time.monotonic() + 10
+    while not engine.running and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.running
+    conn.sock.shutdown(2)
+    conn.close()
+    wait_idle(engine)
+    assert not engine.running and engine.finished["abort"] == aborted + 1
+
+
 def test_api_key(engine):
     with BackgroundServer(create_app(engine, MODEL, api_key="sesame")) as server:
         assert raw(server.url, "GET", "/v1/models")[0] == 401

@@ -131,17 +131,22 @@ class _Jobs:
         self.open = len(jobs)
 
     async def outputs(self, request: Request | None = None) -> AsyncIterator[tuple[int, Output]]:
-        """Outputs until every job finished; with ``request``, a disconnected client ends it (cancelled)."""
+        """Outputs until every job finished; with ``request``, a client found disconnected (checked every
+        half second) ends it, cancelling the jobs."""
+        checked = time.monotonic()
         try:
             while self.open:
                 try:
                     i, output = await asyncio.wait_for(self.queue.get(), timeout=0.5)
                 except TimeoutError:
-                    if request is not None and await request.is_disconnected():
+                    output = None
+                if request is not None and time.monotonic() - checked >= 0.5:
+                    checked = time.monotonic()
+                    if await request.is_disconnected():
                         return
-                    continue
-                self.open -= output.finish_reason is not None
-                yield i, output
+                if output is not None:
+                    self.open -= output.finish_reason is not None
+                    yield i, output
         finally:
             self.close()
 
