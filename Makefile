@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo info test bench clean
+.PHONY: demo info serve test bench clean
 
 # Re-installs only when pyproject.toml changes; creating .venv twice is harmless.
 $(STAMP): pyproject.toml
@@ -22,6 +22,10 @@ demo: $(STAMP)
 
 info: $(STAMP)
 	$(BIN)/k3 info --preset paper
+
+# An OpenAI-compatible server for the demo checkpoint on 127.0.0.1:8000.
+serve: $(STAMP)
+	$(BIN)/k3 serve --ckpt runs/demo
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

@@ -84,6 +84,17 @@ def test_chat_non_streaming_and_streaming_agree(client, mode, channel):
     assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
 
 
+def test_chat_logprobs_and_several_choices(client):
+    result = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=6, temperature=0, logprobs=True,
+                                            top_logprobs=3, n=2, extra_body={"mode": "instruct"})
+    assert [c.index for c in result.choices] == [0, 1]
+    first, second = result.choices
+    assert first.message.content == second.message.content  # greedy: both choices agree
+    entries = first.logprobs.content
+    assert len(entries) == result.usage.completion_tokens // 2
+    assert all(len(e.top_logprobs) == 3 and e.top_logprobs[0].logprob == pytest.approx(e.logprob) for e in entries)
+
+
 def test_completions_non_streaming_and_streaming(client):
     full = client.completions.create(model=MODEL, prompt="import json\n", max_tokens=10, temperature=0, logprobs=2)
     choice = full.choices[0]
@@ -165,6 +176,10 @@ def test_over_long_prompt_is_400_context_length_exceeded(client):
     (json.dumps({"model": "gpt-9", "messages": HELLO}).encode(), 404, "model"),
     (json.dumps({"model": MODEL, "messages": HELLO, "presence_penalty": 1}).encode(), 400, "presence_penalty"),
     (json.dumps({"model": MODEL, "messages": HELLO, "n": 0}).encode(), 400, "n"),
+    (json.dumps({"model": MODEL, "messages": HELLO, "tool_choice": "required"}).encode(), 400, "tool_choice"),
+    (json.dumps({"model": MODEL, "messages": [], "max_tokens": 2}).encode(), 400, "messages"),
+    (json.dumps({"model": MODEL, "messages": HELLO, "top_logprobs": 50, "logprobs": True}).encode(), 400,
+     "top_logprobs"),
 ])
 def test_bad_requests_get_openai_errors(server, engine, body, status, param):
     code, data = raw(server.url, "POST", "/v1/chat/completions", body)

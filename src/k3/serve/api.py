@@ -289,6 +289,9 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None,
     async def chat_completions(body: ChatBody, request: Request):
         check_model(body.model)
         body.unsupported()
+        if body.tool_choice not in (None, "auto", "none"):
+            raise APIError(400, f"tool_choice: only 'auto' and 'none' are supported (got {body.tool_choice!r})",
+                           param="tool_choice")
         mode = body.mode or default_mode
         if body.chat_template_kwargs and "thinking" in body.chat_template_kwargs:
             mode = "thinking" if body.chat_template_kwargs["thinking"] else "instruct"
@@ -299,6 +302,9 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None,
             raise APIError(400, str(err), param="messages") from err
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         max_tokens = requested if requested is not None else max(1, engine.max_model_len - len(prompt))
+        if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
+            raise APIError(400, f"top_logprobs: expected an integer in [0, 20], got {body.top_logprobs}",
+                           param="top_logprobs")
         top = (body.top_logprobs or 0) if body.logprobs else None
         stop_ids = (tokenizer.special_id("end"), tokenizer.eos_id)
         run = _Jobs(engine, [(prompt, params, chat.AssistantParser(tokenizer, mode))
