@@ -118,35 +118,43 @@ def step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor
          scale: float | None = None) -> tuple[Tensor, Tensor]:
     """One token from a state (SPEC Eq. 1): q, k, g ``[B,H,K]``; v ``[B,H,V]``; beta ``[B,H]``.
 
-    Decay, then erase along k, then write; the query reads the *updated* state.
+    Decay, then erase along k, then write; the query reads the *updated* state. Decode's fast path
+    (tested against `recurrent`): with ``S' = Diag(α) S`` and ``δ = v − kᵀS'``, one batched product
+    gives ``[k; q]ᵀ S'``, the state update ``S' + β k δᵀ`` is one fused multiply-add into the fresh
+    ``S'``, and the output is ``qᵀS' + (q·βk) δ`` — three passes over the state instead of seven.
     Returns ``(o [B,H,V] in v's dtype, new state [B,H,K,V])``.
     """
     B, H, K, V = _validate(q, k, v, g, beta, state, single_token=True)
     dtype = _compute_dtype(q, k, v, g, beta, state)
     scale = K**-0.5 if scale is None else scale
     q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
-    S = q.new_zeros(B, H, K, V) if state is None else state.to(dtype)
-    S = S * g.exp().unsqueeze(-1)  # Diag(α) S
-    k = k.unsqueeze(-2)  # [B, H, 1, K]
-    recalled = k @ S  # kᵀ S, [B, H, 1, V]
-    S = S + (beta[..., None, None] * k).transpose(-1, -2) @ (v.unsqueeze(-2) - recalled)  # erase, then write
-    o = (q.unsqueeze(-2) @ S).squeeze(-2) * scale
-    return o.to(v.dtype), S
+    S = q.new_zeros(B * H, K, V) if state is None else state.to(dtype).reshape(B * H, K, V)
+    S = S * g.exp().reshape(B * H, K, 1)  # Diag(α) S, a new tensor: the caller's state is never written
+    read = torch.stack([k, q], dim=2).reshape(B * H, 2, K) @ S  # [kᵀS'; qᵀS']
+    bk = (beta.unsqueeze(-1) * k).reshape(B * H, K, 1)
+    delta = v.reshape(B * H, 1, V) - read[:, :1]
+    S.baddbmm_(bk, delta)  # erase along k, then write v
+    o = read[:, 1:] + (q.reshape(B * H, 1, K) @ bk) * delta
+    return (o.reshape(B, H, V) * scale).to(v.dtype), S.view(B, H, K, V)
 
 
 def recurrent(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float | None = None,
               initial_state: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """Token-by-token oracle: `step` applied for t = 0..T-1. Returns ``(o [B,T,H,V], final state)``."""
+    """Token-by-token oracle, Eq. 1 as written: for t = 0..T-1, ``S ← Diag(α_t) S``, ``S ← S + β_t k_t
+    (v_t − k_tᵀ S)ᵀ``, ``o_t = q_tᵀ S · scale``. Returns ``(o [B,T,H,V], final state)``."""
     B, T, H, K, V = _validate(q, k, v, g, beta, initial_state)
-    S = initial_state
-    if S is None:
-        S = q.new_zeros(B, H, K, V, dtype=_compute_dtype(q, k, v, g, beta))
+    dtype = _compute_dtype(q, k, v, g, beta, initial_state)
+    scale = K**-0.5 if scale is None else scale
+    S = q.new_zeros(B, H, K, V, dtype=dtype) if initial_state is None else initial_state.to(dtype)
     outputs = []
     for t in range(T):
-        o_t, S = step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], S, scale)
-        outputs.append(o_t)
-    o = torch.stack(outputs, dim=1) if outputs else v.new_zeros(B, 0, H, V)
-    return o, S.to(_compute_dtype(q, k, v, g, beta, initial_state))
+        q_t, k_t, v_t, g_t, b_t = (x[:, t].to(dtype) for x in (q, k, v, g, beta))
+        S = S * g_t.exp().unsqueeze(-1)
+        recalled = (k_t.unsqueeze(-2) @ S).squeeze(-2)  # kᵀ S, [B, H, V]
+        S = S + (b_t[..., None] * k_t).unsqueeze(-1) * (v_t - recalled).unsqueeze(-2)
+        outputs.append((q_t.unsqueeze(-2) @ S).squeeze(-2) * scale)
+    o = torch.stack(outputs, dim=1).to(v.dtype) if outputs else v.new_zeros(B, 0, H, V)
+    return o, S
 
 
 # ---------------------------------------------------------------------- chunkwise-parallel form

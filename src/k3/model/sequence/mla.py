@@ -202,18 +202,20 @@ class GatedMLA(nn.Module):
         are upcast (a no-op for fp32/fp64), since 576-wide scores rounded to bf16 before the softmax
         are about ten times less accurate than the full path.
         """
+        B, H, T, _ = q.shape
         dtype = torch.promote_types(q.dtype, torch.float32)
         w_uk, w_uv = (w.to(dtype) for w in self._up_weights())
-        latent, shared_key = cache.latent.to(dtype), cache.shared_key.to(dtype)
+        latent, shared_key = cache.latent.to(dtype), cache.shared_key.to(dtype)  # [B, L, ·]: shared by all heads
         q_content, q_shared = q.to(dtype).split([self.nope_dim, self.shared_dim], dim=-1)
-        latent, shared_key = latent.unsqueeze(1), shared_key.unsqueeze(1)  # one "head" shared by all H
-        q_latent = q_content @ w_uk  # [B, H, T, r]
-        scores = (q_latent @ latent.transpose(-1, -2) + q_shared @ shared_key.transpose(-1, -2)) * self.scale
-        mask = self._mask(q.shape[2], cache.length, padding, q.device)
+        # heads and positions share the cache, so they form one query axis of H·T rows (no per-head copies)
+        q_latent = torch.einsum("bhtn,hnr->bhtr", q_content, w_uk).reshape(B, H * T, -1)
+        scores = torch.baddbmm(q_latent @ latent.transpose(1, 2), q_shared.reshape(B, H * T, -1),
+                               shared_key.transpose(1, 2)).view(B, H, T, -1) * self.scale
+        mask = self._mask(T, cache.length, padding, q.device)
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))
-        o_latent = torch.softmax(scores, dim=-1) @ latent  # [B, H, T, r]
-        return (o_latent @ w_uv.transpose(-1, -2)).transpose(1, 2).to(q.dtype)
+        o_latent = torch.softmax(scores, dim=-1).view(B, H * T, -1) @ latent  # [B, H·T, r]
+        return torch.einsum("bhtr,hvr->bthv", o_latent.view(B, H, T, -1), w_uv).to(q.dtype)
 
     # ------------------------------------------------------------------ validation
     def _check_inputs(self, x: Tensor, state: MLACache | None, path: str | None, padding: Tensor | None) -> None:
