@@ -250,7 +250,16 @@ def check_dispatch(n, e, k, w, f, activation, dtype, seed):
     if dtype == torch.float64:
         weights = weights.double()
     tol = 1e-12 if dtype == torch.float64 else 1e-5
-    torch.testing.assert_close(ex(x, weights, indices), ref_dispatch(ex, x, weights, indices), rtol=tol, atol=tol)
+    ref = ref_dispatch(ex, x, weights, indices)
+    torch.testing.assert_close(ex(x, weights, indices), ref, rtol=tol, atol=tol)
+    # both dispatch paths, whichever forward picks for this shape: sorted by expert, and dense
+    torch.testing.assert_close(ex._dense(x, weights, indices), ref, rtol=tol, atol=tol)
+    sorted_only = Experts.DENSE_LIMIT
+    try:
+        Experts.DENSE_LIMIT = 0
+        torch.testing.assert_close(ex(x, weights, indices), ref, rtol=tol, atol=tol)
+    finally:
+        Experts.DENSE_LIMIT = sorted_only
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

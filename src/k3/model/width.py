@@ -132,9 +132,9 @@ class Experts(nn.Module):
     at least one pair runs once on its contiguous slice, outputs are scaled by the pair weight and
     scatter-added back per token, accumulating in ``promote(x.dtype, weights.dtype)``.
 
-    For a handful of tokens (``N·E ≤ DENSE_LIMIT``, e.g. a decode step) that is one small matmul
-    chain per active expert, so instead every expert runs on every token in two matmuls and the
-    unselected ones get weight 0 — the same sum with a few operators instead of a few per expert.
+    For a batch of decode tokens that hits most experts (``E ≤ N·k`` and ``N·E ≤ DENSE_LIMIT``) that is
+    one small matmul chain per expert, so instead every expert runs on every token in two matmuls and
+    the unselected ones get weight 0 — the same sum with a few operators instead of a few per expert.
     """
 
     DENSE_LIMIT = 512
@@ -158,7 +158,8 @@ class Experts(nn.Module):
     def forward(self, x: Tensor, weights: Tensor, indices: Tensor) -> Tensor:
         """x [N, W], weights [N, k], indices [N, k] → Σ_j weights_j · Expert_{indices_j}(x), [N, W] in x.dtype."""
         n_tokens, k = indices.shape
-        if n_tokens * self.gate_up.shape[0] <= self.DENSE_LIMIT:
+        n_experts = self.gate_up.shape[0]
+        if n_experts <= n_tokens * k and n_tokens * n_experts <= self.DENSE_LIMIT:
             return self._dense(x, weights, indices)
         flat = indices.reshape(-1)
         order = torch.argsort(flat, stable=True)
