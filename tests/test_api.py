@@ -102,6 +102,8 @@ def test_completions_non_streaming_and_streaming(client):
     assert full.usage.prompt_tokens == len(serving.tokenizer().encode("import json\n"))
     assert full.usage.completion_tokens == 10 and len(choice.logprobs.token_logprobs) == 10
     assert all(1 <= len(top) <= 2 for top in choice.logprobs.top_logprobs)  # keyed by text: may collide
+    offsets = choice.logprobs.text_offset
+    assert offsets[0] == 0 and offsets == sorted(offsets) and offsets[-1] <= len(choice.text)
     stream = client.completions.create(model=MODEL, prompt="import json\n", max_tokens=10, temperature=0,
                                        stream=True)
     assert "".join(c.choices[0].text for c in stream) == choice.text

@@ -266,3 +266,7 @@ def test_bad_sampling_params_are_named(model, tok, params, message):
     with pytest.raises(ValueError, match="prompt: token ids"):
         engine.add_request([1, 512], GREEDY)
     assert not engine.has_work()
+    engine.add_request([1, 2], GREEDY, request_id="mine")
+    with pytest.raises(ValueError, match="request_id: 'mine' is already in use"):
+        engine.add_request([3], GREEDY, request_id="mine")
+    assert engine.num_waiting == 1

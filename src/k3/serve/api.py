@@ -233,7 +233,7 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None,
         prompts = _prompts(body.prompt, tokenizer.encode)
         jobs = []
         for prompt in prompts:
-            max_tokens = body.max_tokens if body.max_tokens is not None else engine.max_model_len - len(prompt)
+            max_tokens = body.max_tokens if body.max_tokens is not None else max(1, engine.max_model_len - len(prompt))
             for params in body.sampling(max_tokens, (tokenizer.eos_id,), body.logprobs):
                 jobs.append((prompt, params, None))
         run = _Jobs(engine, jobs)
@@ -241,13 +241,14 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None,
         completion_tokens = [0] * len(jobs)
         prompt_tokens = sum(map(len, prompts))
 
-        def logprobs(output: Output) -> dict | None:
+        def logprobs(output: Output, offset: int) -> dict | None:
+            """The output's token log-probabilities; ``offset`` is where its text starts in the choice's text."""
             if body.logprobs is None:
                 return None
             return {"tokens": [tokenizer.decode([t.token_id]) for t in output.logprobs],
                     "token_logprobs": [t.logprob for t in output.logprobs],
                     "top_logprobs": [{tokenizer.decode([i]): lp for i, lp in t.top} for t in output.logprobs],
-                    "text_offset": []}
+                    "text_offset": [offset] * len(output.logprobs)}
 
         def chunk(choices: list[dict], usage: dict | None = None) -> dict:
             out = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name,
@@ -258,6 +259,7 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None,
 
         if body.stream:
             async def events() -> AsyncIterator[str]:
+                sent = [0] * len(jobs)  # characters streamed per choice
                 async for i, output in run.outputs():
                     completion_tokens[i] = output.completion_tokens
                     if (err := _error_of(output)) is not None:
@@ -265,8 +267,9 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None,
                         return
                     text = "".join(t for _, t in output.deltas)
                     if text or output.finish_reason or body.logprobs is not None:
-                        yield _sse(chunk([{"index": i, "text": text, "logprobs": logprobs(output),
+                        yield _sse(chunk([{"index": i, "text": text, "logprobs": logprobs(output, sent[i]),
                                            "finish_reason": output.finish_reason}]))
+                    sent[i] += len(text)
                 if body.stream_options and body.stream_options.include_usage:
                     yield _sse(chunk([], _usage(prompt_tokens, sum(completion_tokens))))
                 yield _sse("[DONE]")
@@ -278,9 +281,9 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None,
             if (err := _error_of(output)) is not None:
                 raise err
             completion_tokens[i] = output.completion_tokens
+            _extend(lps[i], logprobs(output, len(texts[i])))
             texts[i] += "".join(t for _, t in output.deltas)
             finish[i] = output.finish_reason
-            _extend(lps[i], logprobs(output))
         choices = [{"index": i, "text": texts[i], "logprobs": lps[i] if body.logprobs is not None else None,
                     "finish_reason": finish[i]} for i in range(len(jobs))]
         return chunk(choices, _usage(prompt_tokens, sum(completion_tokens)))

@@ -207,6 +207,8 @@ class Engine:
         request = _Request(request_id or f"req-{next(self._ids)}", list(prompt), params,
                            processor or TextProcessor(self.tokenizer), callback or (lambda _: None), generator)
         with self._wake:
+            if request.id in self.running or any(r.id == request.id for r in self._waiting):
+                raise ValueError(f"request_id: {request.id!r} is already in use")
             self._waiting.append(request)
             self._wake.notify()
         return request.id
@@ -230,6 +232,8 @@ class Engine:
             if request is None:
                 return False
             request.state = None
+            if self._batch is not None and request_id in self._batch[0]:
+                self._batch = None  # the stacked decode state held its row too
             self.finished["abort"] += 1
             self._deliver(request, self._output(request, [], None, [], "abort"))
             return True
