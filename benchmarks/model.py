@@ -56,18 +56,19 @@ def k3_decode_tokens_per_s(model: K3ForCausalLM, batch: int, context: int, steps
         return batch * steps / (time.perf_counter() - start)
 
 
-def kimi_linear_pair():
-    """A ~31M-parameter transformers Kimi Linear model and its k3 conversion (identical weights)."""
+def kimi_linear_pair(vocab_size: int = 32000, pad_token_id: int | None = None):
+    """A transformers Kimi Linear model (d=256, 8 layers, 16 experts top-2; ~31M parameters at the default
+    vocabulary) and its k3 conversion (identical weights)."""
     import peers
 
     from k3.interop.kimi_linear import from_transformers
 
     tf = peers.transformers_kimi_linear()
     config = tf.KimiLinearConfig(
-        vocab_size=32000, hidden_size=256, intermediate_size=1024, moe_intermediate_size=128,
+        vocab_size=vocab_size, hidden_size=256, intermediate_size=1024, moe_intermediate_size=128,
         num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=128,
         qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64, num_local_experts=16, num_experts_per_tok=2,
-        n_shared_experts=1, linear_num_heads=4, linear_head_dim=64, pad_token_id=None, bos_token_id=None,
+        n_shared_experts=1, linear_num_heads=4, linear_head_dim=64, pad_token_id=pad_token_id, bos_token_id=None,
         eos_token_id=None, tie_word_embeddings=False)
     torch.manual_seed(0)
     hf = tf.KimiLinearForCausalLM(config)

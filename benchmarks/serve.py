@@ -38,6 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from harness import machine, table, write_results  # noqa: E402
+from model import kimi_linear_pair  # noqa: E402
 
 from k3 import K3ForCausalLM  # noqa: E402
 from k3.config import preset  # noqa: E402
@@ -152,24 +153,6 @@ def long_prompt_interference(url: str, prompts: list[list[int]], long_prompt: li
             "itl_without_p50_ms": percentile(outside, 50), "itl_samples_during_prefill": len(during)}
 
 
-def kimi_linear_pair(vocab: int):
-    """A transformers Kimi Linear model (the shape of benchmarks/model.py) and its k3 conversion (same weights)."""
-    import peers
-
-    from k3.interop.kimi_linear import from_transformers
-
-    tf = peers.transformers_kimi_linear()
-    config = tf.KimiLinearConfig(
-        vocab_size=vocab, hidden_size=256, intermediate_size=1024, moe_intermediate_size=128,
-        num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=128,
-        qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64, num_local_experts=16, num_experts_per_tok=2,
-        n_shared_experts=1, linear_num_heads=4, linear_head_dim=64, pad_token_id=0, bos_token_id=None,
-        eos_token_id=None, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    hf = tf.KimiLinearForCausalLM(config).eval()
-    return hf, from_transformers(hf).eval()
-
-
 def engine_only(model: K3ForCausalLM, tokenizer: Tokenizer, prompts: list[list[int]], max_tokens: int) -> dict:
     """The same requests through the `Engine` in this process, no HTTP: what the server adds on top."""
     from k3.serve.engine import Engine, SamplingParams
@@ -235,7 +218,8 @@ def main() -> None:
                     **run_clients(url, prompts[:c], max_tokens)})
 
     # 2. identical Kimi Linear weights: k3 over HTTP vs transformers generate
-    hf, ours = kimi_linear_pair(tokenizer.vocab_size)
+    hf, ours = kimi_linear_pair(tokenizer.vocab_size, pad_token_id=0)  # generate pads batches with id 0
+    hf.eval(), ours.eval()
     pair = f"kimi-linear-{sum(p.numel() for p in ours.parameters()) / 1e6:.1f}M"
     kimi = save_model(work / "kimi-linear", ours, tokenizer)
     with Server(kimi, THROUGHPUT_CHUNK) as url:
