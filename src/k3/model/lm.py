@@ -9,6 +9,8 @@ Without a state (training) nothing is cached and the returned state is None.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import Tensor, nn
 
@@ -88,6 +90,20 @@ class K3ForCausalLM(nn.Module):
                              f"[{int(input_ids.min())}, {int(input_ids.max())}]")
         return self.embed_tokens(input_ids)
 
+    def _start_depth(self, x: Tensor) -> BlockAttnRes | Residual:
+        """The depth state after the embedding ``x``: Block AttnRes sources, or a plain residual stream."""
+        cfg = self.config
+        if cfg.attn_res.enabled:
+            return BlockAttnRes.start(x, cfg.attn_res.block_size, cfg.rms_norm_eps)
+        return Residual.start(x)
+
+    def _logits(self, depth: BlockAttnRes | Residual, rows: Tensor | None = None) -> Tensor:
+        """Final retrieval, norm and LM head (tied or not); ``rows`` picks positions of a flat ``[1, N]`` batch."""
+        h = self.norm(depth.retrieve(self.final_query))
+        if rows is not None:
+            h = h[0, rows]
+        return h @ self.embed_tokens.weight.T if self.lm_head is None else self.lm_head(h)
+
     def forward(self, input_ids: Tensor | None = None, inputs_embeds: Tensor | None = None,
                 state: DecoderState | None = None) -> tuple[Tensor, DecoderState | None]:
         x = self.embed(input_ids, inputs_embeds)
@@ -98,16 +114,13 @@ class K3ForCausalLM(nn.Module):
             if len(state.layers) != len(self.layers) or state.batch_size != B:
                 raise ValueError(f"state: expected {len(self.layers)} layers and batch size {B}, got "
                                  f"{len(state.layers)} layers and batch size {state.batch_size}")
-        cfg = self.config
-        depth = (BlockAttnRes.start(x, cfg.attn_res.block_size, cfg.rms_norm_eps) if cfg.attn_res.enabled
-                 else Residual.start(x))
+        depth = self._start_depth(x)
         layer_states = []
         for i, layer in enumerate(self.layers):
             depth, layer_state = layer(depth, None, None) if state is None else layer(depth, state.layers[i],
                                                                                        state.padding)
             layer_states.append(layer_state)
-        h = self.norm(depth.retrieve(self.final_query))
-        logits = h @ self.embed_tokens.weight.T if self.lm_head is None else self.lm_head(h)
+        logits = self._logits(depth)
         if state is None:
             return logits, None
         last_sources = depth.stacked()[:, :, -1].transpose(0, 1)  # [B, S, d]
@@ -129,9 +142,7 @@ class K3ForCausalLM(nn.Module):
                 raise ValueError(f"groups[{g}]: expected input_ids [B, T] and a DecoderState of batch size B")
         shapes = [ids.shape for ids, _ in groups]
         x = torch.cat([self.embed(ids, None).reshape(1, -1, self.config.hidden_size) for ids, _ in groups], 1)
-        cfg = self.config
-        depth = (BlockAttnRes.start(x, cfg.attn_res.block_size, cfg.rms_norm_eps) if cfg.attn_res.enabled
-                 else Residual.start(x))
+        depth = self._start_depth(x)
         sizes = [B * T for B, T in shapes]
         layer_states: list[list] = [[] for _ in groups]
         for i, layer in enumerate(self.layers):
@@ -142,11 +153,9 @@ class K3ForCausalLM(nn.Module):
                 outputs.append(a.reshape(1, -1, a.shape[-1]))
                 layer_states[g].append(layer_state)
             depth = layer.feed_forward(depth, torch.cat(outputs, dim=1))
-        last = torch.tensor([0] + sizes).cumsum(0)[1:] - 1  # flat index of each group's final token
-        rows = torch.cat([torch.arange(start - B * T + T, start + 1, T) for start, (B, T) in
-                          zip(last.tolist(), shapes)])  # each row's last token
-        h = self.norm(depth.retrieve(self.final_query))[0, rows]
-        logits = h @ self.embed_tokens.weight.T if self.lm_head is None else self.lm_head(h)
+        starts = [0, *itertools.accumulate(sizes)][:-1]  # flat index of each group's first token
+        rows = torch.cat([start + T - 1 + T * torch.arange(B) for start, (B, T) in zip(starts, shapes)])  # last tokens
+        logits = self._logits(depth, rows)
         sources = depth.stacked()[:, 0, rows].transpose(0, 1)  # [rows, S, d]
         out, offset = [], 0
         for g, ((B, T), (_, state)) in enumerate(zip(shapes, groups)):
