@@ -17,6 +17,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -38,21 +40,34 @@ def _write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+@contextmanager
+def _atomic_directory(final: Path) -> Iterator[Path]:
+    """A fresh ``final.tmp`` to fill, renamed to ``final`` only when the block completes (an interrupted
+    write leaves the temporary directory aside and ``final`` untouched)."""
+    tmp = final.with_name(final.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    yield tmp
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+
+
+def _write_model(directory: Path, model: torch.nn.Module, config: K3Config) -> None:
+    """``model.safetensors`` (weights and persistent buffers) and ``config.json``."""
+    save_file({name: t.detach().contiguous() for name, t in model.state_dict().items()},
+              str(directory / "model.safetensors"))
+    (directory / "config.json").write_text(config.to_json())
+
+
 def save_checkpoint(out: Path, step: int, model: torch.nn.Module, config: K3Config, train: dict[str, Any],
                     tokenizer_dir: Path, state: dict[str, Any], keep: int = 2) -> Path:
     """Write checkpoint ``step`` under ``out`` atomically; keep the newest ``keep`` checkpoints."""
     final = out / f"step-{step:07d}"
-    tmp = out / f"step-{step:07d}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    tensors = {name: t.detach().contiguous() for name, t in model.state_dict().items()}
-    save_file(tensors, str(tmp / "model.safetensors"))
-    (tmp / "config.json").write_text(config.to_json())
-    (tmp / "train.json").write_text(json.dumps(train, indent=2))
-    shutil.copyfile(tokenizer_dir / "tokenizer.json", tmp / "tokenizer.json")
-    torch.save(state, tmp / "state.pt")
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
+    with _atomic_directory(final) as tmp:
+        _write_model(tmp, model, config)
+        (tmp / "train.json").write_text(json.dumps(train, indent=2))
+        shutil.copyfile(tokenizer_dir / "tokenizer.json", tmp / "tokenizer.json")
+        torch.save(state, tmp / "state.pt")
     _write_text(out / LATEST, final.name)
     for old in sorted(out.glob("step-???????"))[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
@@ -62,14 +77,9 @@ def save_checkpoint(out: Path, step: int, model: torch.nn.Module, config: K3Conf
 def save_model(directory: Path, model: torch.nn.Module, tokenizer: Tokenizer) -> Path:
     """Write an inference checkpoint (weights, config, tokenizer; no training state) atomically."""
     directory = Path(directory)
-    tmp = directory.with_name(directory.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file({name: t.detach().contiguous() for name, t in model.state_dict().items()}, str(tmp / "model.safetensors"))
-    (tmp / "config.json").write_text(model.config.to_json())
-    tokenizer.save(tmp)
-    shutil.rmtree(directory, ignore_errors=True)
-    os.replace(tmp, directory)
+    with _atomic_directory(directory) as tmp:
+        _write_model(tmp, model, model.config)
+        tokenizer.save(tmp)
     return directory
 
 
