@@ -75,6 +75,11 @@ class _Sampling(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
 
+    @property
+    def include_usage(self) -> bool:
+        """A streamed response ends with a usage chunk (and every chunk carries ``usage``)."""
+        return self.stream and self.stream_options is not None and self.stream_options.include_usage
+
     def unsupported(self) -> None:
         """Reject OpenAI features this server does not implement, rather than silently ignoring them."""
         extra = self.model_extra or {}
@@ -253,7 +258,7 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None,
         def chunk(choices: list[dict], usage: dict | None = None) -> dict:
             out = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name,
                    "choices": choices}
-            if usage is not None or (body.stream and body.stream_options and body.stream_options.include_usage):
+            if usage is not None or body.include_usage:
                 out["usage"] = usage
             return out
 
@@ -270,7 +275,7 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None,
                         yield _sse(chunk([{"index": i, "text": text, "logprobs": logprobs(output, sent[i]),
                                            "finish_reason": output.finish_reason}]))
                     sent[i] += len(text)
-                if body.stream_options and body.stream_options.include_usage:
+                if body.include_usage:
                     yield _sse(chunk([], _usage(prompt_tokens, sum(completion_tokens))))
                 yield _sse("[DONE]")
 
@@ -314,7 +319,6 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None,
                              for params in body.sampling(max_tokens, stop_ids, top)])
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         completion_tokens = [0] * body.n
-        include_usage = body.stream and body.stream_options is not None and body.stream_options.include_usage
 
         def logprobs(output: Output) -> dict | None:
             if not body.logprobs:
@@ -325,7 +329,7 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None,
         def chunk(choices: list[dict], usage: dict | None = None) -> dict:
             out = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
                    "model": model_name, "choices": choices}
-            if include_usage:
+            if body.include_usage:
                 out["usage"] = usage
             return out
 
@@ -355,7 +359,7 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None,
                         delta = ({"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]} if calls
                                  else {"content": tool_text[i]} if tool_text[i] else {})
                         yield _sse(chunk([{"index": i, "delta": delta, "logprobs": None, "finish_reason": reason}]))
-                if include_usage:
+                if body.include_usage:
                     yield _sse(chunk([], _usage(len(prompt), sum(completion_tokens))))
                 yield _sse("[DONE]")
 
