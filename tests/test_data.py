@@ -6,12 +6,16 @@ import hashlib
 import json
 import math
 import random
+import warnings
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from k3.cli import main
 from k3.train.data import (
     STDLIB_EXCLUDED_DIRS,
     Document,
@@ -141,6 +145,35 @@ def test_missing_or_empty_data(tmp_path) -> None:
         load_documents([])
 
 
+def test_binary_file_named_explicitly_is_an_error(tmp_path) -> None:
+    nul = tmp_path / "data.bin"
+    nul.write_bytes(b"abc\x00def" * 100)
+    with pytest.raises(ValueError, match=r"data\.bin: looks like a binary file \(a NUL byte at offset 3\), not text"):
+        load_documents([nul])
+    # random bytes without any NUL: caught by the share of bytes that are not valid UTF-8
+    noise = tmp_path / "noise.txt"
+    noise.write_bytes(bytes(b or 1 for b in random.Random(0).randbytes(20_000)))
+    with pytest.raises(ValueError, match=r"noise\.txt: looks like a binary file \(\d+\.\d% of its bytes are not valid"):
+        load_documents([noise])
+
+
+def test_binary_file_in_a_folder_is_an_error(tmp_path) -> None:
+    root = tmp_path / "corpus"
+    (root / "sub").mkdir(parents=True)
+    (root / "a.txt").write_text("fine text\n")
+    (root / "sub" / "logo.md").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR" + bytes(range(256)))
+    with pytest.raises(ValueError, match=r"sub/logo\.md: looks like a binary file"):
+        load_documents([root])
+
+
+def test_text_with_occasional_bad_bytes_is_still_text(tmp_path) -> None:
+    p = tmp_path / "latin1.txt"
+    p.write_bytes((b"x" * 99 + b"\xe9") * 50)  # 1 % of the bytes are not UTF-8: text, with a warning
+    with pytest.warns(UserWarning, match=r"latin1\.txt: not valid UTF-8 \(first bad byte at offset 99\)"):
+        (doc,) = load_documents([p])
+    assert doc.text == ("x" * 99 + "\ufffd") * 50
+
+
 # ------------------------------------------------------------------------------------------------
 # split
 
@@ -182,20 +215,138 @@ def test_split_stable_across_processes() -> None:
     assert rule == pinned
 
 
+def _rule_is_val(seed: int, name: str, val_fraction: float) -> bool:
+    """The documented by-document rule, computed independently of the code under test."""
+    return int.from_bytes(hashlib.sha256(f"{seed}\x00{name}".encode()).digest()[:8], "big") / 2**64 < val_fraction
+
+
+def _pieces(name: str, train: list[Document], val: list[Document]) -> str:
+    """The text of ``name`` in a split: whole, or its ``[train]`` window followed by its ``[val]`` window."""
+    by_name = {d.name: d.text for d in train + val}
+    if name in by_name:
+        return by_name[name]
+    assert f"{name}[train]" in {d.name for d in train} and f"{name}[val]" in {d.name for d in val}
+    return by_name[f"{name}[train]"] + by_name[f"{name}[val]"]
+
+
 def test_split_small_sets() -> None:
     for n in (2, 3, 5):
         for seed in range(10):
-            train, val = split_documents(_docs(n), val_fraction=0.05, seed=seed)
-            assert train and val and len(train) + len(val) == n
-            train, val = split_documents(_docs(n), val_fraction=0.95, seed=seed)
-            assert train and val
-    with pytest.warns(UserWarning, match="one document"):
-        assert split_documents(_docs(1)) == (_docs(1), [])
+            for fraction in (0.05, 0.95):
+                docs = _docs(n)
+                train, val = split_documents(docs, val_fraction=fraction, seed=seed)
+                assert train and val and len(train) + len(val) in (n, n + 1)  # n + 1: one document was cut
+                assert all(_pieces(d.name, train, val) == d.text for d in docs)
     with pytest.raises(ValueError, match="no documents"):
         split_documents([])
+    with pytest.raises(ValueError, match="all 2 documents are empty"):
+        split_documents([Document("a", ""), Document("b", "")])
     for bad in (0.0, 1.0, -0.1, 2):
         with pytest.raises(ValueError, match="val_fraction"):
             split_documents(_docs(3), val_fraction=bad)
+
+
+LINES = "".join(f"line {i:04d}\n" for i in range(100))  # 100 lines of 10 characters
+LAST_FIVE = "line 0095\nline 0096\nline 0097\nline 0098\nline 0099\n"
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_split_one_document_into_train_and_val_windows(seed) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        train, val = split_documents([Document("one.txt", LINES)], val_fraction=0.05, seed=seed)
+    assert train == [Document("one.txt[train]", LINES[:950])]
+    assert val == [Document("one.txt[val]", LAST_FIVE)]
+    # 5.3 % is 53 characters: the cut moves to the nearest line start (3 characters away)
+    assert split_documents([Document("one.txt", LINES)], val_fraction=0.053, seed=seed)[1][0].text == LAST_FIVE
+
+
+def test_split_one_document_character_cut_without_near_line_start() -> None:
+    no_newline = "ab" * 500
+    train, val = split_documents([Document("flat", no_newline)], val_fraction=0.1)
+    assert train[0].text == "ab" * 450 and val[0].text == "ab" * 50
+    # the only line start (after "head") is far from the cut at 900 characters: cut there anyway
+    text = "head\n" + "x" * 995
+    train, val = split_documents([Document("far", text)], val_fraction=0.1)
+    assert train[0].text == "head\n" + "x" * 895 and val[0].text == "x" * 100
+
+
+def test_split_large_document_val_fraction() -> None:
+    rng = random.Random(0)
+    words = ["alpha", "beta", "gamma", "delta", "return", "value", "for", "in", "the", "é", "数据"]
+    text = "".join(" ".join(rng.choice(words) for _ in range(rng.randrange(1, 12))) + "\n" for _ in range(60_000))
+    assert len(text) > 400_000
+    train, val = split_documents([Document("big.txt", text)], val_fraction=0.02, seed=0)
+    (head,), (tail,) = train, val
+    assert head.text + tail.text == text and text.endswith(tail.text)
+    assert head.text.endswith("\n")  # cut at a line boundary
+    assert abs(len(tail.text) / len(text) - 0.02) < 0.0005
+
+
+def test_split_all_documents_on_one_side_cuts_the_longest() -> None:
+    big = ("x" * 99 + "\n") * 100  # 10 000 characters, 100 lines
+    docs = [Document("README", "hi\n"), Document("big.txt", big)]
+    assert not any(_rule_is_val(0, d.name, 0.01) for d in docs)  # by document, validation would be empty
+    train, val = split_documents(docs, val_fraction=0.01, seed=0)
+    # 1 % of 10 003 characters ≈ 100: the last line of the longest document
+    assert train == [Document("README", "hi\n"), Document("big.txt[train]", big[:9900])]
+    assert val == [Document("big.txt[val]", "x" * 99 + "\n")]
+    assert all(_rule_is_val(0, d.name, 0.999) for d in docs)  # by document, training would be empty
+    train, val = split_documents(docs, val_fraction=0.999, seed=0)
+    # 0.1 % ≈ 10 characters; the nearest line start (100) is too far: a character cut
+    assert train == [Document("big.txt[train]", "x" * 10)]
+    assert val == [Document("README", "hi\n"), Document("big.txt[val]", big[10:])]
+
+
+def test_split_document_too_short_to_cut() -> None:
+    with pytest.raises(ValueError, match=r"tiny\.txt \(the only document\) has 1 char.*needs at least 2 characters"):
+        split_documents([Document("tiny.txt", "x")])
+    assert split_documents([Document("two", "ab")]) == ([Document("two[train]", "a")], [Document("two[val]", "b")])
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=st.text(min_size=2), fraction=st.floats(0.001, 0.999), seed=st.integers(0, 2**32))
+def test_split_one_document_round_trips(text, fraction, seed) -> None:
+    train, val = split_documents([Document("d", text)], val_fraction=fraction, seed=seed)
+    assert [d.name for d in train] == ["d[train]"] and [d.name for d in val] == ["d[val]"]
+    head, tail = train[0].text, val[0].text
+    assert head and tail and head + tail == text
+    assert (train, val) == split_documents([Document("d", text)], val_fraction=fraction, seed=seed + 1)
+    # the documented cut: ``round(fraction * len)`` characters of tail (kept inside the text), or a
+    # line start that leaves each part at least half its intended size
+    want = min(max(round(fraction * len(text)), 1), len(text) - 1)
+    assert len(tail) == want or (head.endswith("\n") and 2 * len(tail) >= want and 2 * len(head) >= len(text) - want)
+
+
+def test_cli_trains_on_a_single_text_file(tmp_path, capsys) -> None:
+    """One ~400 KB file: its tail becomes the validation window, and training reports a finite val loss."""
+    rng = random.Random(1)
+    words = ["def", "return", "value", "self", "import", "for", "in", "if", "else", "None", "(", ")", ":"]
+    text = "".join(" ".join(rng.choice(words) for _ in range(rng.randrange(1, 14))) + "\n" for _ in range(14_500))
+    assert 400_000 < len(text.encode()) < 450_000
+    data = tmp_path / "one.py"
+    data.write_text(text)
+    out = tmp_path / "run"
+    assert main(["train", "--preset", "tiny", "--data", str(data), "--out", str(out), "--steps", "2",
+                 "--tokens-per-step", "256", "--curriculum", "0:32", "--optimizer", "adamw", "--no-progress"]) == 0
+    assert "validation loss" in capsys.readouterr().out
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["step"] == 2 and math.isfinite(records[-1]["val_loss"]) and records[-1]["val_loss"] > 0
+
+
+def test_cli_reports_a_tiny_or_binary_single_file(tmp_path, capsys) -> None:
+    tiny = tmp_path / "tiny.txt"
+    tiny.write_text("x")
+    binary = tmp_path / "blob.txt"
+    binary.write_bytes(b"\x7fELF\x02\x01\x01\x00" * 64)
+    for path, messages in [
+        (tiny, ["tiny.txt (the only document) has 1 character(s): too short", "needs at least 2 characters"]),
+        (binary, ["blob.txt: looks like a binary file (a NUL byte at offset 7), not text"]),
+    ]:
+        assert main(["train", "--preset", "tiny", "--data", str(path), "--out", str(tmp_path / "run"),
+                     "--steps", "1", "--no-progress"]) == 2
+        err = capsys.readouterr().err
+        assert all(m in err for m in messages) and "every document is empty" not in err
 
 
 # ------------------------------------------------------------------------------------------------
@@ -316,8 +467,12 @@ def test_set_seq_len_recuts_from_current_position() -> None:
 def test_not_enough_data() -> None:
     with pytest.raises(ValueError, match="not enough data"):
         PackedLoader([[5, 6, 7]], seq_len=8, batch_size=1, eos_id=EOS)
-    with pytest.raises(ValueError, match="empty"):
+    with pytest.raises(ValueError, match="the training data has no tokens: all 2 of its documents are empty"):
         PackedLoader([[], []], seq_len=1, batch_size=1, eos_id=EOS)
+    with pytest.raises(ValueError, match="the training data has no tokens: it has no documents"):
+        PackedLoader([], seq_len=1, batch_size=1, eos_id=EOS)
+    with pytest.raises(ValueError, match="the validation data has no tokens: it has no documents"):
+        eval_batches([], seq_len=1, batch_size=1, eos_id=EOS)
     with pytest.raises(ValueError, match="batch_size"):
         PackedLoader([[5, 6, 7]], seq_len=1, batch_size=0, eos_id=EOS)
 

@@ -1,13 +1,15 @@
 """Training data: corpora, document split, packing with a loss mask, resumable loader (issue 4, deliverable 2).
 
-Corpora
+Corpora (defined in :mod:`k3.train.corpus`, re-exported here)
     :func:`stdlib_documents` — the default corpus: the running Python's own standard-library source
     (always present, no download). :func:`load_documents` — user data: text files, folders,
-    ``.jsonl`` (a ``text`` field per line) and ``.parquet`` (a ``text`` column).
+    ``.jsonl`` (a ``text`` field per line) and ``.parquet`` (a ``text`` column); binary files rejected.
 
 Split
     :func:`split_documents` — deterministic train/validation split *by document*, from a SHA-256 of
-    ``(seed, document name)``; independent of the input order and of ``PYTHONHASHSEED``.
+    ``(seed, document name)``; independent of the input order and of ``PYTHONHASHSEED``. When that
+    leaves a side empty (e.g. a single document), the longest document is cut into a training and a
+    validation window instead.
 
 Packing (SPEC §7: mean cross-entropy over *supervised* positions only)
     :class:`PackedLoader` — documents (token lists) are joined into one stream, each followed by
@@ -25,18 +27,14 @@ Loss
 from __future__ import annotations
 
 import hashlib
-import json
-import os
-import sysconfig
-import warnings
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from k3.train.corpus import STDLIB_EXCLUDED_DIRS, TEXT_EXTENSIONS, Document, load_documents, stdlib_documents
 
 __all__ = [
     "Document",
@@ -44,6 +42,7 @@ __all__ = [
     "TEXT_EXTENSIONS",
     "stdlib_documents",
     "load_documents",
+    "MIN_SPLIT_CHARS",
     "split_documents",
     "tokenize_documents",
     "PackedLoader",
@@ -51,223 +50,6 @@ __all__ = [
     "masked_mean_loss",
     "masked_loss_sum",
 ]
-
-
-@dataclass(frozen=True)
-class Document:
-    """One training document: a stable ``name`` (used for the split) and its ``text``."""
-
-    name: str
-    text: str
-
-
-# ------------------------------------------------------------------------------------------------
-# the default corpus: the running Python's standard library
-
-#: Directory names skipped anywhere under the stdlib root: third-party packages, the (huge) test
-#: suites, the IDLE and turtle demos, generated tables (``encodings`` codec maps, ``pydoc_data``
-#: topics), the legacy ``lib2to3`` and build artefacts.
-STDLIB_EXCLUDED_DIRS: frozenset[str] = frozenset(
-    {
-        "site-packages",
-        "dist-packages",
-        "test",
-        "tests",
-        "idlelib",
-        "turtledemo",
-        "encodings",
-        "pydoc_data",
-        "lib2to3",
-        "__pycache__",
-        "lib-dynload",
-    }
-)
-
-
-def _stdlib_excluded(rel_parts: tuple[str, ...]) -> bool:
-    for part in rel_parts[:-1]:
-        if part in STDLIB_EXCLUDED_DIRS or part.startswith("config-") or part.startswith("."):
-            return True
-    # _sysconfigdata_*.py is generated per build/platform: excluded so the corpus is the same source text
-    return rel_parts[-1].startswith("_sysconfigdata")
-
-
-def stdlib_documents(limit_bytes: int | None = None) -> list[Document]:
-    """The running Python's standard-library ``*.py`` files as documents, in sorted path order.
-
-    Root: ``sysconfig.get_paths()["stdlib"]``. Skips every directory in :data:`STDLIB_EXCLUDED_DIRS`
-    (and ``config-*``, hidden directories, the platform-generated ``_sysconfigdata*.py``). ``name`` is
-    the POSIX path relative to the root (e.g. ``"json/decoder.py"``). Files are decoded as UTF-8 (invalid
-    bytes, if any, become U+FFFD); empty files are skipped. ``limit_bytes`` stops after the first files
-    whose UTF-8 text totals at most that many bytes (at least one file is always returned). Raises
-    ``ValueError`` if nothing is found.
-    """
-    if limit_bytes is not None and limit_bytes <= 0:
-        raise ValueError(f"limit_bytes must be positive, got {limit_bytes}")
-    root = Path(sysconfig.get_paths()["stdlib"])
-    if not root.is_dir():
-        raise ValueError(f"standard-library directory not found: {root}")
-    files: list[tuple[str, Path]] = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        rel_dir = Path(dirpath).relative_to(root)
-        # prune excluded directories in place (deterministic: we sort the final list anyway)
-        dirnames[:] = [
-            d
-            for d in dirnames
-            if d not in STDLIB_EXCLUDED_DIRS and not d.startswith("config-") and not d.startswith(".")
-        ]
-        for fn in filenames:
-            if not fn.endswith(".py"):
-                continue
-            rel = (rel_dir / fn).as_posix()
-            if _stdlib_excluded(tuple(rel.split("/"))):
-                continue
-            files.append((rel, Path(dirpath) / fn))
-    files.sort(key=lambda x: x[0])
-    docs: list[Document] = []
-    total = 0
-    for rel, path in files:
-        text = path.read_bytes().decode("utf-8", errors="replace")
-        if not text:
-            continue
-        size = len(text.encode("utf-8"))
-        if limit_bytes is not None and docs and total + size > limit_bytes:
-            break
-        docs.append(Document(rel, text))
-        total += size
-    if not docs:
-        raise ValueError(f"no documents found in the standard library at {root}")
-    return docs
-
-
-# ------------------------------------------------------------------------------------------------
-# user data
-
-#: Extensions read as whole-file text documents when scanning a folder. ``.jsonl`` and ``.parquet``
-#: files found in a folder are read in their record formats; everything else in a folder is ignored,
-#: as are hidden files and directories (names starting with "."). A file named explicitly is read as
-#: text whatever its extension (unless it is ``.jsonl``/``.parquet``).
-TEXT_EXTENSIONS: frozenset[str] = frozenset({".txt", ".text", ".md", ".markdown", ".rst", ".py"})
-_RECORD_EXTENSIONS = frozenset({".jsonl", ".parquet"})
-
-
-def _read_text_file(path: Path) -> str:
-    """UTF-8 (a leading BOM is dropped). Undecodable bytes become U+FFFD with a warning naming the file."""
-    raw = path.read_bytes()
-    try:
-        return raw.decode("utf-8-sig")
-    except UnicodeDecodeError as exc:
-        warnings.warn(
-            f"{path}: not valid UTF-8 (first bad byte at offset {exc.start}); invalid bytes replaced by U+FFFD",
-            stacklevel=3,
-        )
-        return raw.decode("utf-8-sig", errors="replace")
-
-
-def _read_jsonl(path: Path, prefix: str) -> list[Document]:
-    docs: list[Document] = []
-    with path.open("rb") as f:
-        for lineno, raw in enumerate(f, start=1):
-            try:
-                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
-            except UnicodeDecodeError as exc:
-                raise ValueError(f"{path}, line {lineno}: not valid UTF-8 ({exc})") from exc
-            if not line.strip():
-                continue  # blank lines (e.g. a trailing newline) are allowed
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}, line {lineno}: invalid JSON ({exc.msg})") from exc
-            if not isinstance(record, dict) or "text" not in record:
-                raise ValueError(f"{path}, line {lineno}: no 'text' field")
-            text = record["text"]
-            if not isinstance(text, str):
-                raise ValueError(f"{path}, line {lineno}: 'text' is {type(text).__name__}, expected a string")
-            if text:
-                docs.append(Document(f"{prefix}:{lineno}", text))
-    return docs
-
-
-def _read_parquet(path: Path, prefix: str) -> list[Document]:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    try:
-        pf = pq.ParquetFile(path)
-    except Exception as exc:  # pyarrow raises ArrowInvalid / OSError for a bad file
-        raise ValueError(f"{path}: not a readable parquet file ({exc})") from exc
-    if "text" not in pf.schema_arrow.names:
-        raise ValueError(f"{path}: no 'text' column (columns: {', '.join(pf.schema_arrow.names) or 'none'})")
-    field = pf.schema_arrow.field("text")
-    if not (pa.types.is_string(field.type) or pa.types.is_large_string(field.type)):
-        raise ValueError(f"{path}: 'text' column has type {field.type}, expected string")
-    docs: list[Document] = []
-    row = 0
-    for batch in pf.iter_batches(columns=["text"]):
-        for text in batch.column(0).to_pylist():
-            if text:  # None (null) and "" are skipped
-                docs.append(Document(f"{prefix}:{row}", text))
-            row += 1
-    return docs
-
-
-def _read_file(path: Path, name: str) -> list[Document]:
-    suffix = path.suffix.lower()
-    if suffix == ".jsonl":
-        return _read_jsonl(path, name)
-    if suffix == ".parquet":
-        return _read_parquet(path, name)
-    text = _read_text_file(path)
-    return [Document(name, text)] if text else []
-
-
-def load_documents(paths: Sequence[str | os.PathLike[str]] | str | os.PathLike[str]) -> list[Document]:
-    """Documents from files and folders, in argument order (folders scanned in sorted path order).
-
-    * a text file → one document (UTF-8; undecodable bytes → U+FFFD and a warning naming the file);
-    * ``.jsonl`` → one document per non-blank line, from its ``text`` field (a line that is not a JSON
-      object with a string ``text`` → ``ValueError`` naming the file and line);
-    * ``.parquet`` → one document per row of the ``text`` column (no such column → ``ValueError``
-      naming the file; null/empty rows skipped);
-    * a folder → recursively, files with :data:`TEXT_EXTENSIONS`, ``.jsonl`` and ``.parquet``; hidden
-      entries skipped.
-
-    Names (used by :func:`split_documents`) do not depend on the working directory: a file argument is
-    named by its base name, a file found in a folder by ``<folder base name>/<relative path>``; records
-    get ``:<line number>`` (``.jsonl``, 1-based) or ``:<row>`` (``.parquet``, 0-based) appended.
-    Empty documents are dropped. A missing path → ``FileNotFoundError``; no documents at all →
-    ``ValueError("no documents found in …")``.
-    """
-    if isinstance(paths, (str, os.PathLike)):
-        paths = [paths]
-    paths = list(paths)
-    if not paths:
-        raise ValueError("no data paths given")
-    docs: list[Document] = []
-    for arg in paths:
-        p = Path(arg)
-        if not p.exists():
-            raise FileNotFoundError(f"data path does not exist: {p}")
-        if p.is_dir():
-            base = p.resolve().name or p.resolve().as_posix()
-            found: list[tuple[str, Path]] = []
-            for dirpath, dirnames, filenames in os.walk(p):
-                dirnames[:] = [d for d in dirnames if not d.startswith(".")]
-                for fn in filenames:
-                    fp = Path(dirpath) / fn
-                    if fn.startswith(".") or fp.suffix.lower() not in TEXT_EXTENSIONS | _RECORD_EXTENSIONS:
-                        continue
-                    found.append((fp.relative_to(p).as_posix(), fp))
-            found.sort(key=lambda x: x[0])
-            for rel, fp in found:
-                docs.extend(_read_file(fp, f"{base}/{rel}"))
-        elif p.is_file():
-            docs.extend(_read_file(p, p.name))
-        else:
-            raise ValueError(f"data path is neither a file nor a folder: {p}")
-    if not docs:
-        raise ValueError(f"no documents found in {', '.join(str(x) for x in paths)}")
-    return docs
 
 
 # ------------------------------------------------------------------------------------------------
@@ -279,39 +61,77 @@ def _unit_hash(seed: int, name: str) -> float:
     return int.from_bytes(h[:8], "big") / 2.0**64
 
 
+#: The fewest characters a document needs to be cut into a training and a validation window.
+MIN_SPLIT_CHARS = 2
+
+
 def split_documents(
     docs: Sequence[Document], val_fraction: float = 0.05, seed: int = 0
 ) -> tuple[list[Document], list[Document]]:
-    """Deterministic train/validation split by document: ``(train, val)``.
+    """Deterministic train/validation split: ``(train, val)``, both non-empty.
 
-    A document goes to validation iff ``sha256(seed, name)`` (as a number in [0, 1)) is below
-    ``val_fraction``; documents are never cut, and each list keeps the input order. The assignment of a
-    document depends only on its name and ``seed`` — not on the other documents, their order or the
-    Python hash seed — except for the guarantee that with ≥ 2 documents both sides are non-empty: if
-    one side is empty, the document whose hash is closest to the cut moves across (ties by text hash).
-    With exactly one document, it is the training set and validation is empty (with a warning).
+    By document: a document goes to validation iff ``sha256(seed, name)`` (as a number in [0, 1)) is
+    below ``val_fraction``; each list keeps the input order; documents with empty text are dropped. A
+    document's side depends only on its name and ``seed`` — not on the other documents, their order or
+    the Python hash seed.
+
+    When that leaves one side empty (always with a single document), the longest document (ties: the
+    first name in sorted order) is cut instead into two contiguous windows, ``name[train]`` (its head)
+    and ``name[val]`` (its tail), whose concatenation is its text; it takes its place in the full
+    side, the other window alone forms the empty one. The cut puts ``round(val_fraction * total
+    characters)`` in validation (at least one character in each window), moved to the nearest line
+    start when one is near (see :func:`_window_cut`). With a single document, ``seed`` has no effect.
+    ``ValueError`` if there is no text, or the longest document has fewer than
+    :data:`MIN_SPLIT_CHARS` characters.
     """
     if not 0.0 < float(val_fraction) < 1.0:
         raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
     docs = list(docs)
     if not docs:
         raise ValueError("no documents to split")
-    if len(docs) == 1:
-        warnings.warn("only one document: validation split is empty", stacklevel=2)
-        return docs, []
-    keys = [_unit_hash(seed, d.name) for d in docs]
-    is_val = [k < val_fraction for k in keys]
+    texts = [d for d in docs if d.text]
+    if not texts:
+        raise ValueError(f"no text to split: all {len(docs)} documents are empty")
+    is_val = [_unit_hash(seed, d.name) < val_fraction for d in texts]
+    if any(is_val) and not all(is_val):
+        return [d for d, v in zip(texts, is_val) if not v], [d for d, v in zip(texts, is_val) if v]
+    return _split_longest(texts, float(val_fraction), all_val=all(is_val))
 
-    def tiebreak(i: int) -> tuple[float, str]:
-        return keys[i], hashlib.sha256(docs[i].text.encode("utf-8", errors="surrogatepass")).hexdigest()
 
-    if not any(is_val):
-        is_val[min(range(len(docs)), key=tiebreak)] = True
-    elif all(is_val):
-        is_val[max(range(len(docs)), key=tiebreak)] = False
-    train = [d for d, v in zip(docs, is_val) if not v]
-    val = [d for d, v in zip(docs, is_val) if v]
-    return train, val
+def _split_longest(docs: list[Document], val_fraction: float, all_val: bool) -> tuple[list[Document], list[Document]]:
+    """``docs`` all on one side (validation iff ``all_val``): cut the longest into a train and a val window."""
+    i = min(range(len(docs)), key=lambda k: (-len(docs[k].text), docs[k].name))
+    doc, total = docs[i], sum(len(d.text) for d in docs)
+    if len(doc.text) < MIN_SPLIT_CHARS:
+        what = "the only document" if len(docs) == 1 else f"the longest of {len(docs)} documents"
+        raise ValueError(
+            f"{doc.name} ({what}) has {len(doc.text)} character(s): too short to split into a training and a "
+            f"validation window, which needs at least {MIN_SPLIT_CHARS} characters"
+        )
+    val_chars = round(val_fraction * total)
+    head = (total if all_val else len(doc.text)) - val_chars  # the head is all of training when all_val
+    cut = _window_cut(doc.text, head)
+    train = Document(f"{doc.name}[train]", doc.text[:cut])
+    val = Document(f"{doc.name}[val]", doc.text[cut:])
+    if all_val:
+        return [train], docs[:i] + [val] + docs[i + 1 :]
+    return docs[:i] + [train] + docs[i + 1 :], [val]
+
+
+def _window_cut(text: str, target: int) -> int:
+    """Where to cut ``text`` (≥ 2 characters) near ``target``: a position strictly inside it.
+
+    ``target`` is clamped to ``[1, len - 1]``; the nearest line start (just after a ``"\\n"``) replaces
+    it if within half the smaller part's length, so each part keeps at least half its intended size;
+    otherwise the cut is at ``target`` itself (any character boundary).
+    """
+    n = len(text)
+    target = min(max(target, 1), n - 1)
+    slack = min(target, n - target) // 2
+    before = text.rfind("\n", 0, target) + 1  # a line start in [1, target], or 0 if none
+    after = text.find("\n", target, n - 1) + 1  # a line start in [target + 1, n - 1], or 0 if none
+    near = [p for p in (before, after) if p and abs(p - target) <= slack]
+    return min(near, key=lambda p: abs(p - target), default=target)
 
 
 def tokenize_documents(tokenizer: Any, docs: Sequence[Document | str]) -> list[list[int]]:
@@ -343,13 +163,16 @@ def _as_token_array(doc: Any, index: int) -> np.ndarray:
 
 
 class _Corpus:
-    """Token documents stored flat (one int64 array + offsets), with a fingerprint for checkpoints."""
+    """Token documents stored flat (one int64 array + offsets), with a fingerprint for checkpoints.
 
-    def __init__(self, token_docs: Iterable[Any], eos_id: int) -> None:
-        arrays = [_as_token_array(d, i) for i, d in enumerate(token_docs)]
-        arrays = [a for a in arrays if a.size > 0]  # empty documents contribute nothing
+    ``role`` ("training", "validation") names the data in the error raised when it has no tokens."""
+
+    def __init__(self, token_docs: Iterable[Any], eos_id: int, role: str) -> None:
+        given = [_as_token_array(d, i) for i, d in enumerate(token_docs)]
+        arrays = [a for a in given if a.size > 0]  # empty documents contribute nothing
         if not arrays:
-            raise ValueError("no tokens: every document is empty")
+            why = f"all {len(given)} of its documents are empty" if given else "it has no documents"
+            raise ValueError(f"the {role} data has no tokens: {why}")
         self.lengths = np.array([a.size for a in arrays], dtype=np.int64)
         self.flat = np.concatenate(arrays)
         if int(self.flat.min()) < 0:
@@ -432,7 +255,7 @@ class PackedLoader:
     ) -> None:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-        self._corpus = _Corpus(token_docs, eos_id)
+        self._corpus = _Corpus(token_docs, eos_id, "training")
         self.batch_size = batch_size
         self.eos_id = int(eos_id)
         self.seed = int(seed)
@@ -589,7 +412,7 @@ def eval_batches(
         raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-    corpus = _Corpus(token_docs, eos_id)
+    corpus = _Corpus(token_docs, eos_id, "validation")
     tokens, starts = corpus.stream(range(corpus.num_docs))
     n = tokens.numel()
     n_win = max(1, -(-(n - 1) // seq_len))
