@@ -161,6 +161,15 @@ def test_bad_json_is_an_error_naming_the_key(text, message):
         K3Config.from_json(text)
 
 
+def test_complete_configs_list_every_missing_field():
+    data = preset("tiny").to_dict()
+    assert K3Config.from_dict(data, complete=True) == preset("tiny")
+    del data["hidden_size"], data["kda"]["chunk_size"], data["moe"]["num_experts"], data["vision"]
+    with pytest.raises(ValueError, match=r"^missing fields: hidden_size, kda\.chunk_size, moe\.num_experts, vision$"):
+        K3Config.from_dict(data, complete=True)
+    assert K3Config.from_dict({"num_layers": 5}).hidden_size == 7168  # a user's file may leave fields to the paper
+
+
 def test_corrupt_file_is_an_error_naming_the_file(tmp_path):
     path = tmp_path / "config.json"
     path.write_text('{"hidden_size": ')

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
+import re
+from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.overrides import TorchFunctionMode
 
 from k3 import K3ForCausalLM
-from k3.config import AttnResConfig, K3Config, parameter_breakdown, preset
+from k3.config import PUBLISHED_TOTAL, AttnResConfig, K3Config, parameter_breakdown, preset
+from k3.model import memory
 from k3.model.state import DecoderState
 
 
@@ -161,6 +165,42 @@ def test_paper_preset_on_meta_matches_the_analytic_count():
         parts = parameter_breakdown(c)
         expected = parts["total"][0] - parts["vision encoder"][0] - parts["vision projector"][0]
         assert sum(p.numel() for p in K3ForCausalLM(c).parameters()) == expected
+
+
+# ---------------------------------------------------------------------- memory
+@pytest.mark.skipif(not Path("/proc/meminfo").exists(), reason="free CPU memory is read from /proc/meminfo")
+def test_a_model_too_big_for_memory_is_refused_before_anything_is_allocated():
+    class NoTensors(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is torch.device:  # naming a device allocates nothing
+                return func(*args, **(kwargs or {}))
+            raise AssertionError(f"allocated before the memory check: {func}")
+
+    with NoTensors(), pytest.raises(ValueError) as err:
+        K3ForCausalLM(preset("paper"))
+    found = re.fullmatch(r"model needs ([\d.]+) GiB for its parameters, only [\d.]+ (GiB|MiB) available on cpu",
+                         str(err.value))
+    assert found, str(err.value)
+    assert float(found.group(1)) == pytest.approx(PUBLISHED_TOTAL * 4 / 2**30, rel=0.02)  # float32 weights
+
+
+def test_training_must_also_fit_gradients_and_optimizer_state(monkeypatch, tmp_path):
+    from k3.train.loop import Run, TrainConfig
+
+    weights = sum(p.numel() * p.element_size() for p in K3ForCausalLM(preset("tiny")).parameters())
+    monkeypatch.setattr(memory, "available_bytes", lambda device: 2 * weights)
+    K3ForCausalLM(preset("tiny"))  # the weights alone fit
+    with pytest.raises(ValueError, match=re.escape(
+            f"model needs {4 * weights / 2**20:.1f} MiB for training (4 × its parameters: weights, gradients, "
+            f"two optimizer moments), only {2 * weights / 2**20:.1f} MiB available on cpu")):
+        Run(TrainConfig(out=str(tmp_path), preset="tiny"))
+
+
+def test_cuda_memory_is_read_from_the_device(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2**30, 2**31))
+    memory.check_fits(preset("small"), "cuda")
+    with pytest.raises(ValueError, match=r"GiB for its parameters, only 1\.0 GiB available on cuda$"):
+        memory.check_fits(preset("paper"), "cuda")
 
 
 # ---------------------------------------------------------------------- DecoderState

@@ -15,27 +15,8 @@ import torch
 
 from k3.cli import main
 from k3.train import checkpoint as ckpt
-from k3.train.loop import TrainConfig, read_metrics, train
-from k3.train.optim import OptimConfig
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    """A small, fixed text corpus (a slice of the standard library) so every run sees the same data."""
-    from k3.train.data import stdlib_documents
-
-    root = tmp_path_factory.mktemp("corpus")
-    for i, doc in enumerate(stdlib_documents(limit_bytes=300_000)):
-        (root / f"doc{i:04d}.txt").write_text(doc.text)
-    return root
-
-
-def config(out: Path, corpus: Path, **changes) -> TrainConfig:
-    base = dict(out=str(out), preset="tiny", steps=6, tokens_per_step=512, curriculum=[[0.0, 32], [0.5, 64]],
-                eval_every=3, eval_batches=2, ckpt_every=3, data=[str(corpus)], progress=False,
-                optim=OptimConfig(lr=0.01, adam_lr=0.01))
-    base.update(changes)
-    return TrainConfig(**base)
+from k3.train.loop import read_metrics, train
+from training import config
 
 
 def losses(out: Path) -> list[float]:
@@ -63,6 +44,8 @@ def test_resumed_run_continues_exactly(tmp_path, corpus):
 
 
 def test_interrupted_save_leaves_the_previous_checkpoint(tmp_path, corpus, monkeypatch):
+    """An exception in the middle of a save (here after the weights are written) removes the partial
+    directory and leaves ``latest`` on the previous checkpoint."""
     out = tmp_path / "run"
     train(config(out, corpus, steps=3))
     before = ckpt.latest_checkpoint(out)
@@ -72,15 +55,16 @@ def test_interrupted_save_leaves_the_previous_checkpoint(tmp_path, corpus, monke
     run.prepare(resume=True)
     run.log(run.step())
 
-    def killed(*args, **kwargs):  # the process dies in the middle of writing the training state
+    def killed(*args, **kwargs):  # interrupted while writing the training state
+        assert (out / "step-0000004.tmp" / "model.safetensors").exists()
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(ckpt.torch, "save", killed)
+    monkeypatch.setattr(ckpt.state_codec, "encode", killed)
     with pytest.raises(KeyboardInterrupt):
         run.save()
     monkeypatch.undo()
     assert ckpt.latest_checkpoint(out) == before
-    assert (out / "step-0000004.tmp").exists()  # the partial write is left aside, never read
+    assert not (out / "step-0000004.tmp").exists() and not (out / "step-0000004").exists()
     resumed = train(config(out, corpus), resume=True)
     assert resumed.step_index == 6
 
@@ -131,12 +115,13 @@ def test_checkpoint_errors_name_the_file_and_field(tmp_path, corpus):
     weights.write_bytes(weights.read_bytes()[:100])
     with pytest.raises(ValueError, match="model.safetensors"):
         train(config(out, corpus), resume=True)
-    state = ckpt.latest_checkpoint(out) / "state.pt"
+    state = ckpt.latest_checkpoint(out) / "state.json"
     state.write_bytes(b"garbage")
-    with pytest.raises(ValueError, match="state.pt"):
-        from k3.train.checkpoint import load_state
-
-        load_state(ckpt.latest_checkpoint(out))
+    with pytest.raises(ValueError, match="state.json: checksum mismatch"):
+        ckpt.load_state(ckpt.latest_checkpoint(out))
+    (ckpt.latest_checkpoint(out) / "checksums.json").unlink()  # as in a checkpoint written without one
+    with pytest.raises(ValueError, match="state.json: cannot read the training state"):
+        ckpt.load_state(ckpt.latest_checkpoint(out))
 
 
 def test_missing_or_empty_data_fails_before_training(tmp_path):
@@ -194,3 +179,19 @@ def test_bf16_autocast_and_gradient_accumulation(tmp_path, corpus):
     rows = read_metrics(tmp_path / "bf16" / "metrics.jsonl")
     assert run.step_index == 2 and all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
     assert rows[-1]["tokens"] == 512 and "val_loss" in rows[-1]
+
+
+def test_eval_reads_the_checkpoint_it_is_given_and_writes_nothing(tmp_path, corpus, capsys):
+    out = tmp_path / "run"
+    assert main(["train", "--preset", "tiny", "--steps", "4", "--out", str(out), "--data", str(corpus),
+                 "--tokens-per-step", "512", "--curriculum", "0:32", "--eval-every", "100", "--ckpt-every", "2",
+                 "--no-progress"]) == 0
+    capsys.readouterr()
+    files = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    results = []
+    for target in (out / "step-0000002", out / "step-0000004", out):
+        assert main(["eval", "--ckpt", str(target), "--batches", "1"]) == 0
+        results.append(json.loads(capsys.readouterr().out))
+    assert [r["step"] for r in results] == [2, 4, 4]
+    assert results[0]["val_loss"] != results[1]["val_loss"] == results[2]["val_loss"]
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == files

@@ -270,10 +270,14 @@ class K3Config:
         return json.dumps(self.to_dict(), indent=indent, sort_keys=False)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> K3Config:
-        """Build from `to_dict` output; unknown keys are an error naming the key."""
+    def from_dict(cls, data: dict[str, Any], complete: bool = False) -> K3Config:
+        """Build from `to_dict` output; unknown keys are an error naming the key. Absent fields take the
+        paper defaults unless ``complete`` (checkpoints), where they are an error listing every one."""
         if not isinstance(data, dict):
             raise ValueError(f"config must be a JSON object, got {type(data).__name__}")
+        missing = missing_fields(data) if complete else []
+        if missing:
+            raise ValueError(f"missing fields: {', '.join(missing)}")
         kwargs: dict[str, Any] = {}
         names = {f.name for f in dataclasses.fields(cls)}
         for key, value in data.items():
@@ -286,8 +290,8 @@ class K3Config:
         return cls(**kwargs)
 
     @classmethod
-    def from_json(cls, text: str) -> K3Config:
-        return cls.from_dict(json.loads(text))
+    def from_json(cls, text: str, complete: bool = False) -> K3Config:
+        return cls.from_dict(json.loads(text), complete)
 
     def save(self, path: str | os.PathLike) -> None:
         """Write JSON atomically (write to a temporary file, then rename)."""
@@ -298,7 +302,11 @@ class K3Config:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> K3Config:
-        """Read our JSON or a Hugging Face-style ``config.json`` (detected by ``model_type``)."""
+        """Read our JSON or a Hugging Face-style ``config.json`` (detected by ``model_type``).
+
+        A user-written file may leave fields out (they take the paper defaults, e.g. for ``k3 info
+        --config``); checkpoints are read with ``from_dict(..., complete=True)`` instead.
+        """
         with open(path) as f:
             try:
                 data = json.load(f)
@@ -307,6 +315,18 @@ class K3Config:
         if isinstance(data, dict) and "model_type" in data:
             return from_hf_dict(data)
         return cls.from_dict(data)
+
+
+def missing_fields(data: dict[str, Any]) -> list[str]:
+    """Dotted names of the `K3Config` fields ``data`` lacks, sub-config fields included (``moe.num_experts``)."""
+    missing = []
+    for f in dataclasses.fields(K3Config):
+        if f.name not in data:
+            missing.append(f.name)
+        elif f.name in _SUBCONFIGS and isinstance(data[f.name], dict):
+            missing += [f"{f.name}.{g.name}" for g in dataclasses.fields(_SUBCONFIGS[f.name])
+                        if g.name not in data[f.name]]
+    return missing
 
 
 def _build(kind: type, value: Any, prefix: str) -> Any:

@@ -21,6 +21,7 @@ import torch
 
 from k3.config import K3Config, preset
 from k3.model.lm import K3ForCausalLM
+from k3.model.memory import check_fits
 from k3.model.sequence.mla import GatedMLA
 from k3.train import checkpoint as ckpt
 from k3.train.balance import QuantileBalancer
@@ -80,7 +81,13 @@ class TrainConfig:
         return cls(**data)
 
     def model_config(self) -> K3Config:
-        return (K3Config.from_dict(self.model) if self.model is not None else preset(self.preset)).validate()
+        """``model`` (every field required) if given, else the ``preset``."""
+        if self.model is None:
+            return preset(self.preset).validate()
+        try:
+            return K3Config.from_dict(self.model, complete=True).validate()
+        except (ValueError, TypeError) as err:
+            raise ValueError(f"train.model: {err}") from err
 
     def validate(self) -> TrainConfig:
         for name in ("steps", "tokens_per_step", "grad_accum", "eval_every", "ckpt_every", "log_every",
@@ -117,6 +124,10 @@ def _rng_state() -> dict[str, Any]:
     return {"torch": torch.get_rng_state()}
 
 
+# Training holds the weights, their gradients and up to two optimiser moments (AdamW) per parameter.
+TRAINING_COPIES = 4
+
+
 class Run:
     """One training run: model, data, optimisers, balancer, logging; `step()` advances one optimiser step."""
 
@@ -124,6 +135,8 @@ class Run:
         self.config = config.validate()
         self.out = Path(config.out)
         self.model_config = config.model_config()
+        check_fits(self.model_config, copies=TRAINING_COPIES,
+                   what=f"training ({TRAINING_COPIES} × its parameters: weights, gradients, two optimizer moments)")
         torch.manual_seed(config.seed)
         self.model = K3ForCausalLM(self.model_config)
         self.step_index = 0
@@ -134,14 +147,16 @@ class Run:
     def prepare(self, resume: bool) -> None:
         """Load or build tokenizer and data, optimisers; resume from the newest checkpoint if asked."""
         self.out.mkdir(parents=True, exist_ok=True)
-        existing = ckpt.latest_checkpoint(self.out)
-        if existing is not None and not resume:
-            raise ValueError(f"{self.out} already holds a checkpoint ({existing.name}); pass --resume to "
-                             f"continue it or choose another --out")
+        found = ckpt.checkpoints(self.out)
+        if not resume and (found or (self.out / ckpt.LATEST).exists()):
+            names = ", ".join(p.name for p in found) or ckpt.LATEST
+            raise ValueError(f"{self.out} already holds a checkpoint ({names}); pass --resume to continue it "
+                             f"or choose another --out")
+        existing = ckpt.latest_checkpoint(self.out) if resume else None
         train_docs, val_docs = _documents(self.config)
         self.tok_dir = self.out / "tokenizer"
         if existing is not None:  # the checkpoint's own tokenizer is authoritative
-            self.tokenizer = Tokenizer.load(existing)
+            self.tokenizer = ckpt.read_tokenizer(existing)
             self.tokenizer.save(self.tok_dir)
         elif (self.tok_dir / "tokenizer.json").exists():
             self.tokenizer = Tokenizer.load(self.tok_dir)
@@ -162,6 +177,15 @@ class Run:
             self._restore(existing)
         else:
             self.metrics_path.write_text("")
+
+    def prepare_evaluation(self, checkpoint: Path) -> None:
+        """Load ``checkpoint`` (weights, tokenizer, step) and the validation data for `evaluate`, writing
+        nothing (``k3 eval``: any checkpoint of a run, the run's files left as they are)."""
+        ckpt.check_same_config(checkpoint, ckpt.read_config(checkpoint), self.model_config)
+        ckpt.load_weights(checkpoint, self.model)
+        self.tokenizer = ckpt.read_tokenizer(checkpoint)
+        self.step_index = int(ckpt.load_state(checkpoint).get("step", 0))
+        self.val_tokens = tokenize_documents(self.tokenizer, _documents(self.config)[1])
 
     def _loader(self) -> PackedLoader:
         """The loader of the current curriculum stage: a fixed token budget per step, so each stage has
@@ -189,10 +213,23 @@ class Run:
                 self.train_loader.load_state_dict(state["loader"])
             torch.set_rng_state(state["rng"]["torch"])
         except (KeyError, ValueError, TypeError, RuntimeError) as err:
-            raise ValueError(f"{path / 'state.pt'}: does not match this run ({type(err).__name__}: {err})") from err
-        # metrics after the checkpoint belong to the interrupted attempt: drop them
-        kept = [line for line in self.metrics_path.read_text().splitlines()
-                if line and json.loads(line)["step"] <= self.step_index] if self.metrics_path.exists() else []
+            raise ValueError(f"{ckpt.state_file(path)}: does not match this run ({type(err).__name__}: {err})") from err
+        self._truncate_metrics()
+
+    def _truncate_metrics(self) -> None:
+        """Drop the metrics logged after the restored step (they belong to the interrupted attempt), and a
+        last line cut short by a crash; any other unreadable line is an error naming the file and line."""
+        lines = self.metrics_path.read_text().splitlines() if self.metrics_path.exists() else []
+        kept = []
+        for number, line in enumerate(lines, 1):
+            try:
+                step = json.loads(line)["step"] if line.strip() else None
+            except (ValueError, KeyError, TypeError) as err:
+                if number == len(lines):
+                    break
+                raise ValueError(f"{self.metrics_path}: line {number} is not a metrics record ({err})") from err
+            if step is not None and step <= self.step_index:
+                kept.append(line)
         self.metrics_path.write_text("".join(line + "\n" for line in kept))
 
     def save(self) -> Path:
@@ -272,8 +309,11 @@ class Run:
         return total / count
 
     def log(self, record: dict[str, Any]) -> None:
-        with self.metrics_path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        try:
+            with self.metrics_path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+        except OSError as err:
+            raise OSError(f"cannot write {self.metrics_path}: {err}") from err
 
 
 def train(config: TrainConfig, resume: bool = False) -> Run:
