@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import http.client
 import io
+import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import openai
 import pytest
@@ -37,26 +41,96 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_k3_serve_subprocess(ckpt):
+def start_server(ckpt, *flags: str) -> tuple[subprocess.Popen, int]:
+    """A real `k3 serve` process (API key "k") on a free port, once it answers."""
     port = free_port()
-    command = [sys.executable, "-m", "k3.cli", "serve", "--ckpt", str(ckpt), "--port", str(port), "--api-key", "k"]
+    command = [sys.executable, "-m", "k3.cli", "serve", "--ckpt", str(ckpt), "--port", str(port), "--api-key", "k",
+               *flags]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert "model 'k3-tiny'" in proc.stdout.readline()
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return proc, port
+        except OSError:
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.1)
+
+
+def test_k3_serve_subprocess(ckpt):
+    proc, port = start_server(ckpt)
     try:
-        assert "model 'k3-tiny'" in proc.stdout.readline()
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k", max_retries=0)
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                models = client.models.list()
-                break
-            except openai.APIConnectionError:
-                assert time.monotonic() < deadline and proc.poll() is None
-                time.sleep(0.1)
-        assert models.data[0].id == "k3-tiny"
+        assert client.models.list().data[0].id == "k3-tiny"
         reply = client.chat.completions.create(model="k3-tiny", messages=[{"role": "user", "content": "hi"}],
                                                max_tokens=5, temperature=0)
         assert reply.usage.completion_tokens <= 5 and reply.choices[0].finish_reason in ("length", "stop")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_sigterm_drains_running_requests_then_exits_cleanly(ckpt):
+    """SIGTERM: new requests are refused (the listening socket closes; a request on an open connection
+    gets 503), running streams finish normally, then the process exits 0."""
+    proc, port = start_server(ckpt)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k", max_retries=0, timeout=60)
+        request = dict(model="k3-tiny", prompt="x = 1", max_tokens=400, temperature=0)
+        alone = client.completions.create(**request).choices[0]
+        assert alone.finish_reason == "length"  # the greedy continuation of this prompt runs to max_tokens
+        chunks = iter(client.completions.create(**request, stream=True))
+        first = next(chunks)
+        idle = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        idle.connect()  # an open connection with no request yet
+        proc.send_signal(signal.SIGTERM)
+        rest = list(chunks)
+        assert first.choices[0].text + "".join(c.choices[0].text for c in rest) == alone.text
+        assert rest[-1].choices[0].finish_reason == "length"
+        assert proc.wait(timeout=30) == 0 and "k3 serve: stopped" in proc.stdout.read()
+        with pytest.raises(OSError):
+            socket.create_connection(("127.0.0.1", port), timeout=2)
+        try:  # the idle connection was closed at the signal, or its request is refused
+            idle.request("GET", "/health")
+            assert idle.getresponse().status == 503
+        except (OSError, http.client.HTTPException):
+            pass
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def rss_mib(pid: int) -> float:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS"))) / 1024
+
+
+def test_huge_bodies_are_refused_cheaply_and_memory_returns(ckpt):
+    """A 50 MB body is refused from its Content-Length (413) before it is read; a 15 MB prompt within the
+    body limit is refused by the cheap length bound before tokenizing; the process does not keep the memory."""
+    proc, port = start_server(ckpt)
+    try:
+        headers = {"authorization": "Bearer k", "content-type": "application/json"}
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        conn.request("GET", "/health")
+        assert conn.getresponse().read()
+        before = rss_mib(proc.pid)
+        with socket.create_connection(("127.0.0.1", port)) as s:  # only the head and a little of the body
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer k\r\n"
+                      b"content-type: application/json\r\ncontent-length: 52428800\r\n\r\n{\"prompt\": \"")
+            assert s.recv(100).startswith(b"HTTP/1.1 413")
+        prompt = json.dumps({"model": "k3-tiny", "prompt": "x" * (15 * 2**20)})
+        for _ in range(3):
+            conn.request("POST", "/v1/completions", body=prompt, headers=headers)
+            response = conn.getresponse()
+            error = json.loads(response.read())["error"]
+            assert response.status == 400 and error["code"] == "context_length_exceeded", error
+            assert "at least" in error["message"]  # the cheap bound, not a full tokenization
+        conn.request("GET", "/health")
+        assert json.loads(conn.getresponse().read())["status"] == "ok"
+        assert rss_mib(proc.pid) < before + 100
     finally:
         proc.terminate()
         proc.wait(timeout=30)

@@ -7,6 +7,7 @@ import json
 import math
 import os
 import sys
+from collections.abc import Callable
 from fractions import Fraction
 from pathlib import Path
 
@@ -33,6 +34,18 @@ def _info(args: argparse.Namespace) -> int:
     else:
         print(format_audit(result, title))
     return 0
+
+
+def _positive(kind: type, zero: bool = False) -> Callable[[str], int | float]:
+    """An argparse type: a positive (or, with ``zero``, non-negative) int or float; errors name the flag."""
+    def parse(text: str) -> int | float:
+        value = kind(text)
+        if not (value >= 0 if zero else value > 0) or value != value or value == float("inf"):
+            raise argparse.ArgumentTypeError(f"expected a {'non-negative' if zero else 'positive'} number, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
 
 
 def _curriculum(text: str) -> list[list[float]]:
@@ -73,7 +86,7 @@ def _eval(args: argparse.Namespace) -> int:
     if args.data:
         config.data = args.data
     run = Run(config)
-    run.prepare(resume=True)
+    run.prepare_evaluation(path)
     loss = run.evaluate(args.batches)
     print(json.dumps({"checkpoint": str(path), "step": run.step_index, "val_loss": loss, "val_ppl": math.exp(loss)}))
     return 0
@@ -100,25 +113,38 @@ def _engine(args: argparse.Namespace):
 
     model, tokenizer = load_model(Path(args.ckpt))
     return Engine(model, tokenizer, max_model_len=args.max_model_len, max_batch=args.max_batch,
-                  prefill_chunk=args.prefill_chunk)
+                  prefill_chunk=args.prefill_chunk, max_waiting=getattr(args, "max_queue", 1024))
+
+
+def _limits(args: argparse.Namespace):
+    from k3.serve.guard import Limits
+
+    return Limits(max_body_bytes=int(args.max_body_mb * 2**20), max_choices=args.max_choices,
+                  header_timeout=args.header_timeout, body_timeout=args.body_timeout,
+                  keep_alive_timeout=args.keep_alive_timeout, request_timeout=args.request_timeout or None,
+                  max_connections=args.max_connections, drain_timeout=args.drain_timeout,
+                  public_docs=args.public_docs)
 
 
 def _serve(args: argparse.Namespace) -> int:
     import torch
-    import uvicorn
 
     from k3.serve.api import create_app
+    from k3.serve.http import Server
 
+    limits = _limits(args)  # invalid limits are refused before the model is loaded
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) - 1))
     engine = _engine(args).start()
     name = args.model_name or Path(args.ckpt).resolve().name
-    app = create_app(engine, name, api_key=args.api_key, default_mode=args.mode)
+    server = Server(create_app(engine, name, api_key=args.api_key, default_mode=args.mode, limits=limits),
+                    host=args.host, port=args.port)
     print(f"k3 serve: model {name!r} at http://{args.host}:{args.port}/v1 (context {engine.max_model_len} tokens)",
           flush=True)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+        server.run()
     finally:
         engine.stop()
+    print("k3 serve: stopped", flush=True)
     return 0
 
 
@@ -238,6 +264,27 @@ def main(argv: list[str] | None = None) -> int:
             sub.add_argument("--model-name", help="the served model id (default: the checkpoint directory name)")
             sub.add_argument("--threads", type=int, help="torch intra-op threads (default: all cores but one, which "
                              "is left to the HTTP server)")
+            limits = sub.add_argument_group("limits (README, 'Limits')")
+            limits.add_argument("--max-body-mb", type=_positive(float), default=16,
+                                help="largest request body (413 beyond)")
+            limits.add_argument("--max-choices", type=_positive(int), default=64,
+                                help="most generations per request, prompts x n (400 beyond)")
+            limits.add_argument("--max-queue", type=_positive(int), default=1024,
+                                help="most generations waiting for a batch slot (429 with Retry-After beyond)")
+            limits.add_argument("--max-connections", type=_positive(int), default=512,
+                                help="most open connections and running requests (503 beyond)")
+            limits.add_argument("--header-timeout", type=_positive(float), default=10,
+                                help="seconds for a client to send a request's headers (the connection is closed)")
+            limits.add_argument("--body-timeout", type=_positive(float), default=60,
+                                help="seconds for a request body to arrive (408)")
+            limits.add_argument("--keep-alive-timeout", type=_positive(float), default=5,
+                                help="idle seconds before a keep-alive connection is closed")
+            limits.add_argument("--request-timeout", type=_positive(float, zero=True), default=600,
+                                help="seconds for a generation to finish (408, the work is cancelled; 0: no limit)")
+            limits.add_argument("--drain-timeout", type=_positive(float), default=30,
+                                help="on SIGTERM, seconds to let running requests finish before cancelling them")
+            limits.add_argument("--public-docs", action="store_true",
+                                help="serve /docs and /openapi.json without the API key")
         else:
             sub.add_argument("--max-tokens", type=int, default=256)
             sub.add_argument("--temperature", type=float, default=0.7)

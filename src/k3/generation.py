@@ -18,7 +18,11 @@ def sample_next(logits: Tensor, temperature: float = 1.0, top_p: float = 1.0, to
                          f"{temperature}, {top_p}, {top_k}")
     if temperature == 0:
         return logits.argmax(-1)
-    logits = logits.float() / temperature
+    # Scale in fp64 relative to each row's maximum: every value is <= 0 and the maximum is exactly 0, so any
+    # temperature down to the smallest positive double gives finite probabilities (a tiny temperature
+    # becomes greedy, ties shared); dividing fp32 logits by such a temperature would overflow to inf/NaN.
+    logits = logits.double()
+    logits = (logits - logits.amax(-1, keepdim=True)) / float(temperature)
     if top_k:
         kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

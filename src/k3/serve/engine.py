@@ -24,7 +24,7 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -39,7 +39,7 @@ from k3.serve.detok import IncrementalDetokenizer
 from k3.train.tokenizer import Tokenizer
 
 __all__ = ["SamplingParams", "TokenLogprob", "Output", "Processor", "TextProcessor", "ContextLengthExceeded",
-           "Engine"]
+           "QueueFull", "Engine"]
 
 #: Channels on which stop strings are matched (plain completions, and the chat response).
 STOP_CHANNELS = ("text", "content")
@@ -144,9 +144,19 @@ class ContextLengthExceeded(ValueError):
                          f"completion). Please reduce the prompt or max_tokens.")
 
 
+class QueueFull(RuntimeError):
+    """The engine's waiting queue cannot take the requests; ``retry_after`` is a suggested wait in seconds."""
+
+    def __init__(self, waiting: int, wanted: int, limit: int, retry_after: int) -> None:
+        self.retry_after = retry_after
+        super().__init__(f"the server is busy: {waiting} requests are waiting and this request needs {wanted} more "
+                         f"places (the queue holds {limit}); retry after {retry_after} s")
+
+
 @dataclass(eq=False)
 class _Request:
     id: str
+    group: str
     prompt: list[int]
     params: SamplingParams
     processor: Processor
@@ -165,19 +175,21 @@ class Engine:
     IDLE_PREFILL = 1024  # prompt tokens per step while no request is decoding
 
     def __init__(self, model: K3ForCausalLM, tokenizer: Tokenizer, *, max_model_len: int | None = None,
-                 max_batch: int = 32, prefill_chunk: int = 64) -> None:
+                 max_batch: int = 32, prefill_chunk: int = 64, max_waiting: int = 1024) -> None:
         if tokenizer.vocab_size > model.config.vocab_size:
             raise ValueError(f"tokenizer: {tokenizer.vocab_size} ids but the model has vocab_size "
                              f"{model.config.vocab_size}")
-        if max_batch < 1 or prefill_chunk < 1:
-            raise ValueError(f"max_batch and prefill_chunk must be positive, got {max_batch}, {prefill_chunk}")
+        if min(max_batch, prefill_chunk, max_waiting) < 1:
+            raise ValueError(f"max_batch, prefill_chunk and max_waiting must be positive, got {max_batch}, "
+                             f"{prefill_chunk}, {max_waiting}")
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.max_model_len = min(max_model_len or model.config.context_length, model.config.context_length)
         self.max_batch = max_batch
         self.prefill_chunk = prefill_chunk
+        self.max_waiting = max_waiting
         self.running: dict[str, _Request] = {}  # admitted (prefilling or decoding), in arrival order
-        self._waiting: deque[_Request] = deque()
+        self._waiting: OrderedDict[str, deque[_Request]] = OrderedDict()  # per group, groups in turn order
         self.finished: Counter[str] = Counter()  # requests ended, by finish reason
         self._ids = itertools.count()
         self._queue_lock = threading.Lock()  # guards _waiting (held briefly)
@@ -190,12 +202,45 @@ class Engine:
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: list[int], params: SamplingParams, *, request_id: str | None = None,
-                    processor: Processor | None = None, callback: Callable[[Output], None] | None = None) -> str:
-        """Queue a request (thread-safe); ``callback`` receives its `Output` after every step."""
+                    processor: Processor | None = None, callback: Callable[[Output], None] | None = None,
+                    group: str | None = None) -> str:
+        """Queue a request (thread-safe); ``callback`` receives its `Output` after every step. Requests of
+        one ``group`` (e.g. the choices of one HTTP request; default: the request alone) take turns with
+        other groups for admission. Raises ValueError for an invalid request, `QueueFull` when the waiting
+        queue is full."""
+        return self.add_requests([(prompt, params, processor, callback)], group=group,
+                                 request_ids=None if request_id is None else [request_id])[0]
+
+    def add_requests(self, jobs: list[tuple[list[int], SamplingParams, Processor | None,
+                                            Callable[[Output], None] | None]], *, group: str | None = None,
+                     request_ids: list[str] | None = None) -> list[str]:
+        """Queue several requests of one group atomically: all are validated first, and either all are
+        queued or none (ValueError naming the problem, `QueueFull`)."""
+        requests = [self._request(prompt, params, processor, callback,
+                                  request_ids[i] if request_ids else f"req-{next(self._ids)}")
+                    for i, (prompt, params, processor, callback) in enumerate(jobs)]
+        with self._wake:
+            waiting = self.num_waiting
+            if waiting + len(requests) > self.max_waiting:
+                raise QueueFull(waiting, len(requests), self.max_waiting,
+                                retry_after=1 + (waiting + len(requests)) // self.max_batch)
+            taken = set(self.running) | {r.id for q in self._waiting.values() for r in q}
+            for request in requests:
+                if request.id in taken:
+                    raise ValueError(f"request_id: {request.id!r} is already in use")
+                taken.add(request.id)
+            for request in requests:
+                request.group = group or request.id
+                self._waiting.setdefault(request.group, deque()).append(request)
+            self._wake.notify()
+        return [r.id for r in requests]
+
+    def _request(self, prompt: list[int], params: SamplingParams, processor: Processor | None,
+                 callback: Callable[[Output], None] | None, request_id: str) -> _Request:
         if not isinstance(prompt, list) or not prompt:
             raise ValueError("prompt: expected a non-empty list of token ids")
         vocab = self.model.config.vocab_size
-        if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt):
             raise ValueError(f"prompt: token ids must be integers in [0, {vocab})")
         params.check(vocab)
         if len(prompt) + params.max_tokens > self.max_model_len:
@@ -203,15 +248,9 @@ class Engine:
         generator = None
         if params.temperature > 0:
             generator = torch.Generator()
-            generator.manual_seed(params.seed) if params.seed is not None else generator.seed()
-        request = _Request(request_id or f"req-{next(self._ids)}", list(prompt), params,
-                           processor or TextProcessor(self.tokenizer), callback or (lambda _: None), generator)
-        with self._wake:
-            if request.id in self.running or any(r.id == request.id for r in self._waiting):
-                raise ValueError(f"request_id: {request.id!r} is already in use")
-            self._waiting.append(request)
-            self._wake.notify()
-        return request.id
+            generator.manual_seed(params.seed % 2**64) if params.seed is not None else generator.seed()
+        return _Request(request_id, request_id, list(prompt), params, processor or TextProcessor(self.tokenizer),
+                        callback or (lambda _: None), generator)
 
     def abort(self, request_id: str, wait: bool = True) -> bool:
         """Cancel a request; its state is freed before this returns. False if it is unknown or done.
@@ -225,9 +264,7 @@ class Engine:
             return True
         try:
             with self._queue_lock:
-                request = next((r for r in self._waiting if r.id == request_id), None)
-                if request is not None:
-                    self._waiting.remove(request)
+                request = self._unqueue(request_id)
             request = request or self.running.pop(request_id, None)
             if request is None:
                 return False
@@ -240,9 +277,20 @@ class Engine:
         finally:
             self._step_lock.release()
 
+    def _unqueue(self, request_id: str) -> _Request | None:
+        """Remove a waiting request (caller holds the queue lock)."""
+        for group, queue_ in self._waiting.items():
+            request = next((r for r in queue_ if r.id == request_id), None)
+            if request is not None:
+                queue_.remove(request)
+                if not queue_:
+                    del self._waiting[group]
+                return request
+        return None
+
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        return sum(map(len, self._waiting.values()))
 
     def has_work(self) -> bool:
         return bool(self.running or self._waiting)
@@ -253,19 +301,24 @@ class Engine:
         """Admit, prefill one chunk budget, decode all ready requests in one batch; report outputs."""
         with self._step_lock:
             self._abort_cancelled()
-            with self._queue_lock:
-                while self._waiting and len(self.running) < self.max_batch:
-                    request = self._waiting.popleft()
-                    request.state = self.model.new_state(1)
-                    self.running[request.id] = request
+            self._admit()
             ready = [r for r in self.running.values() if r.pending is not None]
-            try:
-                self._forward(ready, self._prefill_chunks(bool(ready)))
-            except Exception as err:  # a failing step ends its requests with an error, not the engine
-                self._batch = None
-                for request in list(self.running.values()):
-                    self._finish(request, [], None, [], "error", f"{type(err).__name__}: {err}")
+            self._run(ready, self._prefill_chunks(bool(ready)))
             self._abort_cancelled()
+
+    def _admit(self) -> None:
+        """Fill free batch slots from the waiting groups in turn (one request per group per turn), so one
+        request's fan-out cannot keep a later, short request waiting behind all of its choices."""
+        with self._queue_lock:
+            while self._waiting and len(self.running) < self.max_batch:
+                group, queue_ = next(iter(self._waiting.items()))
+                request = queue_.popleft()
+                if queue_:
+                    self._waiting.move_to_end(group)
+                else:
+                    del self._waiting[group]
+                request.state = self.model.new_state(1)
+                self.running[request.id] = request
 
     def _abort_cancelled(self) -> None:
         with self._queue_lock:
@@ -284,16 +337,42 @@ class Engine:
                 budget -= n
         return chunks
 
+    def _run(self, ready: list[_Request], chunks: list[tuple[_Request, list[int]]]) -> None:
+        """One model pass for the step; if it fails with several requests in it, each request is retried
+        alone, so a failure ends only the requests that cause it."""
+        if not ready and not chunks:
+            return
+        try:
+            self._forward(ready, chunks)
+        except Exception as err:
+            self._batch = None
+            if len(ready) + len(chunks) == 1:
+                request = ready[0] if ready else chunks[0][0]
+                return self._fail(request, err)
+            for request in ready:
+                self._isolated(request, [request], [])
+            for request, chunk in chunks:
+                self._isolated(request, [], [(request, chunk)])
+
+    def _isolated(self, request: _Request, ready: list[_Request], chunks: list[tuple[_Request, list[int]]]) -> None:
+        if request.id not in self.running:  # ended while an earlier retry of this step ran (e.g. its callback)
+            return
+        try:
+            self._forward(ready, chunks)
+        except Exception as err:
+            self._batch = None
+            self._fail(request, err)
+
     def _forward(self, ready: list[_Request], chunks: list[tuple[_Request, list[int]]]) -> None:
-        """One model pass: the decode rows as one group (states stacked), each prefill chunk as a group."""
+        """One model pass: the decode rows as one group (states stacked), each prefill chunk as a group.
+        The model call leaves every request's state untouched until it returns (so a failed pass can be
+        retried); sampling is then per request."""
         groups = [(torch.tensor([chunk]), request.state) for request, chunk in chunks]
         if ready:
             ids = [r.id for r in ready]
             if self._batch is None or self._batch[0] != ids:  # reuse last step's stacked state when unchanged
                 self._batch = (ids, DecoderState.stack([r.state for r in ready]))
             groups.append((torch.tensor([[r.pending] for r in ready]), self._batch[1]))
-        if not groups:
-            return
         results = self.model.forward_groups(groups)
         if ready:
             logits, state = results.pop()
@@ -308,24 +387,40 @@ class Engine:
             self._sample(ready, logits)
 
     def _sample(self, requests: list[_Request], logits: Tensor) -> None:
+        """Sample and emit each request's next token; a failure (non-finite logits, a processor or sampling
+        error) ends that request alone."""
         logits = logits.float()
+        finite = torch.isfinite(logits).all(-1).tolist()
         logprobs = logits.log_softmax(-1) if any(r.params.logprobs is not None for r in requests) else None
         greedy = logits.argmax(-1).tolist()
         for b, request in enumerate(requests):
-            p = request.params
-            token = greedy[b] if p.temperature == 0 else int(
-                sample_next(logits[b:b + 1], p.temperature, p.top_p, p.top_k, request.generator))
-            info = []
-            if p.logprobs is not None:
-                top = logprobs[b].topk(p.logprobs) if p.logprobs else None
-                alternatives = () if top is None else tuple(zip(top.indices.tolist(), top.values.tolist()))
-                info = [TokenLogprob(token, float(logprobs[b, token]), alternatives)]
-            self._emit(request, token, info)
+            try:
+                if not finite[b]:
+                    raise FloatingPointError("the model produced non-finite logits for this request")
+                self._emit(request, self._choose(request, logits[b:b + 1], greedy[b]),
+                           None if logprobs is None else logprobs[b])
+            except Exception as err:
+                self._fail(request, err)
+
+    @staticmethod
+    def _choose(request: _Request, logits: Tensor, greedy: int) -> int:
+        p = request.params
+        return greedy if p.temperature == 0 else int(sample_next(logits, p.temperature, p.top_p, p.top_k,
+                                                                 request.generator))
+
+    def _fail(self, request: _Request, err: Exception) -> None:
+        if request.id in self.running:
+            self._finish(request, [], None, [], "error", f"{type(err).__name__}: {err}")
 
     # ------------------------------------------------------------------ outputs
-    def _emit(self, request: _Request, token: int, info: list[TokenLogprob]) -> None:
-        request.output_ids.append(token)
+    def _emit(self, request: _Request, token: int, logprobs: Tensor | None) -> None:
         p = request.params
+        info = []
+        if p.logprobs is not None:
+            top = logprobs.topk(p.logprobs) if p.logprobs else None
+            alternatives = () if top is None else tuple(zip(top.indices.tolist(), top.values.tolist()))
+            info = [TokenLogprob(token, float(logprobs[token]), alternatives)]
+        request.output_ids.append(token)
         stopped = token in p.stop_token_ids
         deltas, stopped = self._match_stops(request, request.processor.flush() if stopped
                                             else request.processor.feed(token), stopped)

@@ -23,6 +23,8 @@ the path for a missing, corrupt or mismatched file.
 
 from __future__ import annotations
 
+import functools
+
 import json
 import os
 import tempfile
@@ -195,6 +197,12 @@ class Tokenizer:
         if key not in self._special_ids:
             raise KeyError(f"unknown special token {name!r}; known: {', '.join(SPECIAL_TOKENS)}")
         return self._special_ids[key]
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """The most UTF-8 bytes one token stands for (byte-level symbols are one byte each; special literals
+        count their length): text of ``n`` characters has at least ``n / max_token_bytes`` tokens."""
+        return max(len(token) for token in self.get_vocab())
 
     def get_vocab(self) -> dict[str, int]:
         """``{token string: id}`` for the whole vocabulary (byte-level symbols as the model stores them)."""

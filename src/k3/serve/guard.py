@@ -1,0 +1,144 @@
+"""The server's limits and the ASGI middleware that enforces them before any route runs.
+
+In order, for every HTTP request: a draining server (SIGTERM received) answers 503; a server with an API
+key checks ``Authorization: Bearer <key>`` (scheme case-insensitive, constant-time comparison) before the
+body is read — `/health` is always open, `/docs` and `/openapi.json` only with ``public_docs``; a body is
+read in full before the route sees it, refused with 413 when it exceeds ``max_body_bytes`` (at once when
+``Content-Length`` says it is more than twice that; a smaller excess is read and discarded first, so the
+client is not reset mid-send) and with 408 when it takes longer than ``body_timeout`` to arrive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["Limits", "Guard"]
+
+Scope = dict[str, Any]
+Message = dict[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+DOCS_PATHS = ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
+OPEN_PATHS = ("/health",)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one client may ask of the server (README, "Limits")."""
+
+    max_body_bytes: int = 16 * 2**20  # request body size (413 beyond)
+    max_choices: int = 64  # prompts × n in one request (400 beyond)
+    header_timeout: float = 10.0  # seconds for a connection to send a request's headers (closed after)
+    body_timeout: float = 60.0  # seconds for a request body to arrive in full (408 after)
+    keep_alive_timeout: float = 5.0  # idle seconds before a keep-alive connection is closed
+    request_timeout: float | None = 600.0  # seconds for a generation to finish (408 after, work cancelled)
+    max_connections: int = 512  # open connections + running requests (503 beyond)
+    drain_timeout: float = 30.0  # seconds a SIGTERM waits for running requests before cancelling them
+    public_docs: bool = False  # serve /docs and /openapi.json without the API key
+
+    def __post_init__(self) -> None:
+        for name in ("max_body_bytes", "max_choices", "max_connections"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name}: expected a positive integer, got {getattr(self, name)!r}")
+        for name in ("header_timeout", "body_timeout", "keep_alive_timeout", "request_timeout", "drain_timeout"):
+            value = getattr(self, name)
+            if not (value is None and name == "request_timeout") and not (isinstance(value, int | float) and value > 0):
+                raise ValueError(f"{name}: expected a positive number of seconds, got {value!r}")
+
+
+async def _reply(send: Send, status: int, message: str, type_: str, code: str,
+                 headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
+    body = json.dumps({"error": {"message": message, "type": type_, "param": None, "code": code}}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            *headers]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class Guard:
+    """ASGI middleware: draining, authentication and bounded body reading (see the module docstring)."""
+
+    def __init__(self, app: ASGIApp, limits: Limits, api_key: str | None = None) -> None:
+        self.app, self.limits, self.api_key = app, limits, api_key
+        self.draining = False
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if self.draining:
+            return await _reply(send, 503, "the server is shutting down", "server_error", "shutting_down",
+                                ((b"connection", b"close"),))
+        if not self._authorized(scope):
+            return await _reply(send, 401, "invalid or missing API key (expected 'Authorization: Bearer <key>')",
+                                "invalid_request_error", "invalid_api_key", ((b"www-authenticate", b"Bearer"),))
+        headers = dict(scope["headers"])
+        length = headers.get(b"content-length")
+        if length is not None:
+            if not length.isdigit():
+                return await _reply(send, 400, "Content-Length is not a number", "invalid_request_error",
+                                    "bad_content_length")
+            if int(length) > 2 * self.limits.max_body_bytes:  # too much to drain: answer at once
+                return await self._too_large(send, int(length))
+        if scope["method"] in ("GET", "HEAD", "OPTIONS") and length is None and b"transfer-encoding" not in headers:
+            return await self.app(scope, receive, send)
+        body = await self._read_body(receive, send)
+        if body is None:
+            return
+        sent = False
+
+        async def replay() -> Message:
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    def _authorized(self, scope: Scope) -> bool:
+        path = scope["path"]
+        if self.api_key is None or path in OPEN_PATHS or (self.limits.public_docs and path in DOCS_PATHS):
+            return True
+        value = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+        scheme, _, token = value.strip().partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode())
+
+    async def _read_body(self, receive: Receive, send: Send) -> bytes | None:
+        """The whole body, or None after answering 413 / 408 (or when the client left). A body over the
+        limit is read on and discarded, up to as much again, before the 413: a client still sending when
+        the connection closes would see a reset instead of the answer."""
+        chunks, size = [], 0
+        deadline = time.monotonic() + self.limits.body_timeout
+        while True:
+            try:
+                message = await asyncio.wait_for(receive(), timeout=max(deadline - time.monotonic(), 0))
+            except TimeoutError:
+                await _reply(send, 408, f"the request body did not arrive within {self.limits.body_timeout:g} s",
+                             "invalid_request_error", "request_timeout", ((b"connection", b"close"),))
+                return None
+            if message["type"] == "http.disconnect":
+                return None
+            chunk, more = message.get("body", b""), message.get("more_body", False)
+            size += len(chunk)
+            if size > self.limits.max_body_bytes:
+                chunks = []  # discard
+                if not more or size > 2 * self.limits.max_body_bytes:
+                    await self._too_large(send, size, at_least=more)
+                    return None
+            else:
+                chunks.append(chunk)
+            if not more:
+                return b"".join(chunks)
+
+    async def _too_large(self, send: Send, size: int, at_least: bool = False) -> None:
+        await _reply(send, 413, f"the request body is {'over ' if at_least else ''}{size} bytes; this server accepts "
+                                f"at most {self.limits.max_body_bytes} (--max-body-mb)",
+                     "invalid_request_error", "request_too_large", ((b"connection", b"close"),))

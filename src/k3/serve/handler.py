@@ -1,0 +1,75 @@
+"""What the route families share: the engine, the served model's name, the limits, and the request steps
+that must happen off the event loop or before any expensive work (issue 9).
+
+CPU work — parsing and validating the body, tokenizing, rendering a conversation — runs in the thread
+pool, so one large request never stalls `/health` or other clients' streams. Before tokenizing, a cheap
+bound refuses prompts that cannot fit: text of ``n`` characters has at least ``n / max_token_bytes``
+tokens, so a prompt whose bound already exceeds the context is a 400 ``context_length_exceeded`` in
+O(1), however many megabytes it is.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel
+from starlette.concurrency import run_in_threadpool
+
+from k3.serve.engine import Engine, Processor, SamplingParams
+from k3.serve.guard import Limits
+from k3.serve.jobs import Jobs
+from k3.serve.protocol import APIError, parse_body
+
+__all__ = ["Serving"]
+
+B = TypeVar("B", bound=BaseModel)
+T = TypeVar("T")
+
+
+class Serving:
+    """Shared state and steps of the chat and completion handlers."""
+
+    def __init__(self, engine: Engine, model_name: str, limits: Limits, default_mode: str = "thinking") -> None:
+        self.engine, self.model_name, self.limits, self.default_mode = engine, model_name, limits, default_mode
+        self.tokenizer = engine.tokenizer
+        self.created = int(time.time())
+
+    async def body(self, request: Request, model: type[B]) -> B:
+        """The request's JSON body validated as ``model`` (in a worker thread)."""
+        raw = await request.body()
+        body = await run_in_threadpool(parse_body, raw, model)
+        if body.model != self.model_name:
+            raise APIError(404, f"The model `{body.model}` does not exist; this server serves `{self.model_name}`.",
+                           param="model", code="model_not_found")
+        body.unsupported()
+        return body
+
+    @staticmethod
+    async def off_loop(fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` in a worker thread."""
+        return await run_in_threadpool(fn, *args)
+
+    def check_chars(self, chars: int, param: str) -> None:
+        """Refuse, without tokenizing, text that has more tokens than the context holds (module docstring)."""
+        least = -(-chars // self.tokenizer.max_token_bytes)
+        if least > self.engine.max_model_len:
+            raise APIError(400, f"This model's maximum context length is {self.engine.max_model_len} tokens. "
+                                f"However, your {param} has {chars} characters, which is at least {least} tokens. "
+                                f"Please reduce the {param}.", param=param, code="context_length_exceeded")
+
+    def check_choices(self, count: int) -> None:
+        if count > self.limits.max_choices:
+            raise APIError(400, f"n: this request asks for {count} generations (prompts × n); this server allows "
+                                f"at most {self.limits.max_choices} per request", param="n")
+
+    def max_tokens(self, requested: int | None, prompt_tokens: int) -> int:
+        """``requested``, or what the context leaves after the prompt (at least 1)."""
+        return requested if requested is not None else max(1, self.engine.max_model_len - prompt_tokens)
+
+    def submit(self, jobs: list[tuple[list[int], SamplingParams, Processor | None]]) -> Jobs:
+        """Queue the request's jobs as one group, with the server's request timeout."""
+        return Jobs(self.engine, jobs, group=uuid.uuid4().hex, timeout=self.limits.request_timeout)
