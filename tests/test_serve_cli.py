@@ -149,3 +149,11 @@ def test_k3_chat_session(ckpt, monkeypatch, capsys):
 def test_k3_serve_bad_checkpoint_is_a_clear_error(tmp_path, capsys):
     assert main(["serve", "--ckpt", str(tmp_path)]) == 2
     assert "no checkpoint here" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag, value", [("--max-body-mb", "0"), ("--request-timeout", "-1"),
+                                         ("--header-timeout", "nan"), ("--max-choices", "1.5")])
+def test_invalid_limits_are_refused_naming_the_flag(tmp_path, capsys, flag, value):
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--ckpt", str(tmp_path), flag, value])
+    assert exit_.value.code == 2 and f"argument {flag}" in capsys.readouterr().err

@@ -116,14 +116,42 @@ def _engine(args: argparse.Namespace):
                   prefill_chunk=args.prefill_chunk, max_waiting=getattr(args, "max_queue", 1024))
 
 
+#: ``k3 serve`` flags of `k3.serve.guard.Limits`: flag, field, type, scale (flag → field), help.
+_LIMIT_FLAGS = (
+    ("--max-body-mb", "max_body_bytes", float, 2**20, "largest request body in MiB (413 beyond)"),
+    ("--max-choices", "max_choices", int, 1, "most generations per request, prompts x n (400 beyond)"),
+    ("--max-connections", "max_connections", int, 1, "most open connections and running requests (503 beyond)"),
+    ("--header-timeout", "header_timeout", float, 1, "seconds for a client to send a request's headers (the "
+     "connection is closed)"),
+    ("--body-timeout", "body_timeout", float, 1, "seconds for a request body to arrive (408)"),
+    ("--keep-alive-timeout", "keep_alive_timeout", float, 1, "idle seconds before a keep-alive connection is closed"),
+    ("--request-timeout", "request_timeout", float, 1, "seconds for a generation to finish (408, the work is "
+     "cancelled; 0: no limit)"),
+    ("--drain-timeout", "drain_timeout", float, 1, "on SIGTERM, seconds to let running requests finish before "
+     "cancelling them"),
+)
+
+
 def _limits(args: argparse.Namespace):
     from k3.serve.guard import Limits
 
-    return Limits(max_body_bytes=int(args.max_body_mb * 2**20), max_choices=args.max_choices,
-                  header_timeout=args.header_timeout, body_timeout=args.body_timeout,
-                  keep_alive_timeout=args.keep_alive_timeout, request_timeout=args.request_timeout or None,
-                  max_connections=args.max_connections, drain_timeout=args.drain_timeout,
-                  public_docs=args.public_docs)
+    defaults = Limits()
+    values = {field: type(getattr(defaults, field))(getattr(args, flag[2:].replace("-", "_")) * scale)
+              for flag, field, _, scale, _ in _LIMIT_FLAGS}
+    return Limits(**{**values, "request_timeout": values["request_timeout"] or None}, public_docs=args.public_docs)
+
+
+def _limit_flags(parser: argparse.ArgumentParser) -> None:
+    from k3.serve.guard import Limits
+
+    defaults = Limits()
+    group = parser.add_argument_group("limits (README, 'Limits')")
+    for flag, field, kind, scale, help_ in _LIMIT_FLAGS:
+        group.add_argument(flag, type=_positive(kind, zero=field == "request_timeout"),
+                           default=kind(getattr(defaults, field) / scale), help=help_)
+    group.add_argument("--max-queue", type=_positive(int), default=1024,
+                       help="most generations waiting for a batch slot (429 with Retry-After beyond)")
+    group.add_argument("--public-docs", action="store_true", help="serve /docs and /openapi.json without the API key")
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -264,27 +292,7 @@ def main(argv: list[str] | None = None) -> int:
             sub.add_argument("--model-name", help="the served model id (default: the checkpoint directory name)")
             sub.add_argument("--threads", type=int, help="torch intra-op threads (default: all cores but one, which "
                              "is left to the HTTP server)")
-            limits = sub.add_argument_group("limits (README, 'Limits')")
-            limits.add_argument("--max-body-mb", type=_positive(float), default=16,
-                                help="largest request body (413 beyond)")
-            limits.add_argument("--max-choices", type=_positive(int), default=64,
-                                help="most generations per request, prompts x n (400 beyond)")
-            limits.add_argument("--max-queue", type=_positive(int), default=1024,
-                                help="most generations waiting for a batch slot (429 with Retry-After beyond)")
-            limits.add_argument("--max-connections", type=_positive(int), default=512,
-                                help="most open connections and running requests (503 beyond)")
-            limits.add_argument("--header-timeout", type=_positive(float), default=10,
-                                help="seconds for a client to send a request's headers (the connection is closed)")
-            limits.add_argument("--body-timeout", type=_positive(float), default=60,
-                                help="seconds for a request body to arrive (408)")
-            limits.add_argument("--keep-alive-timeout", type=_positive(float), default=5,
-                                help="idle seconds before a keep-alive connection is closed")
-            limits.add_argument("--request-timeout", type=_positive(float, zero=True), default=600,
-                                help="seconds for a generation to finish (408, the work is cancelled; 0: no limit)")
-            limits.add_argument("--drain-timeout", type=_positive(float), default=30,
-                                help="on SIGTERM, seconds to let running requests finish before cancelling them")
-            limits.add_argument("--public-docs", action="store_true",
-                                help="serve /docs and /openapi.json without the API key")
+            _limit_flags(sub)
         else:
             sub.add_argument("--max-tokens", type=int, default=256)
             sub.add_argument("--temperature", type=float, default=0.7)

@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -13,19 +11,15 @@ from fastapi.responses import StreamingResponse
 
 from k3.serve import chat
 from k3.serve.engine import Output
-from k3.serve.handler import Serving
+from k3.serve.handler import Reply, Route
 from k3.serve.jobs import Jobs, error_of
-from k3.serve.protocol import APIError, ChatBody, extend_logprobs, sse, usage
+from k3.serve.protocol import APIError, ChatBody, extend_logprobs, sse
 
 __all__ = ["ChatCompletions"]
 
 
-class ChatCompletions:
+class ChatCompletions(Route):
     """The chat route (OpenAI's ``chat.completion`` objects)."""
-
-    def __init__(self, serving: Serving) -> None:
-        self.serving = serving
-        self.tokenizer = serving.tokenizer
 
     async def __call__(self, request: Request) -> dict | StreamingResponse:
         s = self.serving
@@ -59,30 +53,20 @@ def _content_chars(message: Any) -> int:
     return 0
 
 
-class _Reply:
+class _Reply(Reply):
     """Builds one request's response from its jobs' outputs."""
+
+    OBJECT, PREFIX = "chat.completion.chunk", "chatcmpl"
 
     def __init__(self, model_name: str, body: ChatBody, mode: str, decode: Callable[[list[int]], str],
                  prompt_tokens: int) -> None:
-        self.model_name, self.body, self.mode, self.decode = model_name, body, mode, decode
-        self.id, self.created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        self.prompt_tokens = prompt_tokens
-        self.completion_tokens = [0] * body.n
+        super().__init__(model_name, body, body.n, prompt_tokens)
+        self.mode, self.decode = mode, decode
 
     def logprobs(self, output: Output) -> dict | None:
         if not self.body.logprobs:
             return None
         return {"content": [_logprob(self.decode, t.token_id, t.logprob, t.top) for t in output.logprobs]}
-
-    def chunk(self, choices: list[dict], usage_: dict | None = None) -> dict:
-        out = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model_name,
-               "choices": choices}
-        if self.body.include_usage:
-            out["usage"] = usage_
-        return out
-
-    def usage(self) -> dict:
-        return usage(self.prompt_tokens, sum(self.completion_tokens))
 
     async def stream(self, run: Jobs) -> AsyncIterator[str]:
         n = self.body.n
@@ -138,8 +122,7 @@ class _Reply:
                        "reasoning_content": p["reasoning"] if self.mode == "thinking" else None, "tool_calls": calls}
             choices.append({"index": i, "message": message, "logprobs": lps[i] if self.body.logprobs else None,
                             "finish_reason": reason})
-        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model_name,
-                "choices": choices, "usage": self.usage()}
+        return self.chunk(choices, self.usage(), "chat.completion")
 
 
 def _logprob(decode: Callable[[list[int]], str], token: int, logprob: float,

@@ -2,27 +2,21 @@
 
 from __future__ import annotations
 
-import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from k3.serve.engine import Output
-from k3.serve.handler import Serving
+from k3.serve.handler import Reply, Route
 from k3.serve.jobs import Jobs, error_of
-from k3.serve.protocol import APIError, CompletionBody, extend_logprobs, sse, usage
+from k3.serve.protocol import APIError, CompletionBody, extend_logprobs, sse
 
 __all__ = ["Completions"]
 
 
-class Completions:
+class Completions(Route):
     """The completions route (OpenAI's ``text_completion`` objects)."""
-
-    def __init__(self, serving: Serving) -> None:
-        self.serving = serving
-        self.tokenizer = serving.tokenizer
 
     async def __call__(self, request: Request) -> dict | StreamingResponse:
         s = self.serving
@@ -42,15 +36,15 @@ class Completions:
         return await reply.whole(run, request)
 
 
-class _Reply:
+class _Reply(Reply):
     """Builds one request's response from its jobs' outputs."""
+
+    OBJECT, PREFIX = "text_completion", "cmpl"
 
     def __init__(self, model_name: str, body: CompletionBody, decode: Callable[[list[int]], str], choices: int,
                  prompt_tokens: int) -> None:
-        self.model_name, self.body, self.decode = model_name, body, decode
-        self.id, self.created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        self.completion_tokens = [0] * choices
-        self.prompt_tokens = prompt_tokens
+        super().__init__(model_name, body, choices, prompt_tokens)
+        self.decode = decode
 
     def logprobs(self, output: Output, offset: int) -> dict | None:
         """The output's token log-probabilities; ``offset`` is where its text starts in the choice's text."""
@@ -60,16 +54,6 @@ class _Reply:
                 "token_logprobs": [t.logprob for t in output.logprobs],
                 "top_logprobs": [{self.decode([i]): lp for i, lp in t.top} for t in output.logprobs],
                 "text_offset": [offset] * len(output.logprobs)}
-
-    def chunk(self, choices: list[dict], usage_: dict | None = None) -> dict:
-        out = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model_name,
-               "choices": choices}
-        if usage_ is not None or self.body.include_usage:
-            out["usage"] = usage_
-        return out
-
-    def usage(self) -> dict:
-        return usage(self.prompt_tokens, sum(self.completion_tokens))
 
     async def stream(self, run: Jobs) -> AsyncIterator[str]:
         sent = [0] * len(self.completion_tokens)  # characters streamed per choice

@@ -342,26 +342,28 @@ class Engine:
         alone, so a failure ends only the requests that cause it."""
         if not ready and not chunks:
             return
-        try:
-            self._forward(ready, chunks)
-        except Exception as err:
-            self._batch = None
-            if len(ready) + len(chunks) == 1:
-                request = ready[0] if ready else chunks[0][0]
-                return self._fail(request, err)
-            for request in ready:
-                self._isolated(request, [request], [])
-            for request, chunk in chunks:
-                self._isolated(request, [], [(request, chunk)])
-
-    def _isolated(self, request: _Request, ready: list[_Request], chunks: list[tuple[_Request, list[int]]]) -> None:
-        if request.id not in self.running:  # ended while an earlier retry of this step ran (e.g. its callback)
+        alone = len(ready) + len(chunks) == 1
+        blame = (ready or [request for request, _ in chunks])[0] if alone else None
+        if self._attempt(ready, chunks, blame) or alone:
             return
+        for request in ready:
+            self._attempt([request], [], request)
+        for request, chunk in chunks:
+            self._attempt([], [(request, chunk)], request)
+
+    def _attempt(self, ready: list[_Request], chunks: list[tuple[_Request, list[int]]],
+                 blame: _Request | None) -> bool:
+        """`_forward`; on failure end ``blame`` (if given) with the error and return False."""
+        if blame is not None and blame.id not in self.running:  # ended during an earlier retry (its callback)
+            return True
         try:
             self._forward(ready, chunks)
+            return True
         except Exception as err:
             self._batch = None
-            self._fail(request, err)
+            if blame is not None:
+                self._fail(blame, err)
+            return False
 
     def _forward(self, ready: list[_Request], chunks: list[tuple[_Request, list[int]]]) -> None:
         """One model pass: the decode rows as one group (states stacked), each prefill chunk as a group.

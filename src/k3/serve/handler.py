@@ -22,9 +22,9 @@ from starlette.concurrency import run_in_threadpool
 from k3.serve.engine import Engine, Processor, SamplingParams
 from k3.serve.guard import Limits
 from k3.serve.jobs import Jobs
-from k3.serve.protocol import APIError, parse_body
+from k3.serve.protocol import APIError, parse_body, usage
 
-__all__ = ["Serving"]
+__all__ = ["Reply", "Route", "Serving"]
 
 B = TypeVar("B", bound=BaseModel)
 T = TypeVar("T")
@@ -73,3 +73,34 @@ class Serving:
     def submit(self, jobs: list[tuple[list[int], SamplingParams, Processor | None]]) -> Jobs:
         """Queue the request's jobs as one group, with the server's request timeout."""
         return Jobs(self.engine, jobs, group=uuid.uuid4().hex, timeout=self.limits.request_timeout)
+
+
+class Route:
+    """A route family: an async callable over the shared `Serving`."""
+
+    def __init__(self, serving: Serving) -> None:
+        self.serving = serving
+        self.tokenizer = serving.tokenizer
+
+
+class Reply:
+    """What the responses of one request share: id, creation time, model, and usage per choice."""
+
+    OBJECT = PREFIX = ""  # OpenAI's object name of a (streamed) response, and the id prefix
+
+    def __init__(self, model_name: str, body: Any, choices: int, prompt_tokens: int) -> None:
+        self.model_name, self.body = model_name, body
+        self.id, self.created = f"{self.PREFIX}-{uuid.uuid4().hex}", int(time.time())
+        self.completion_tokens = [0] * choices
+        self.prompt_tokens = prompt_tokens
+
+    def chunk(self, choices: list[dict], usage_: dict | None = None, object_: str | None = None) -> dict:
+        """A response object; ``usage`` is present when given, and in every chunk of a stream that asked for it."""
+        out = {"id": self.id, "object": object_ or self.OBJECT, "created": self.created, "model": self.model_name,
+               "choices": choices}
+        if usage_ is not None or self.body.include_usage:
+            out["usage"] = usage_
+        return out
+
+    def usage(self) -> dict:
+        return usage(self.prompt_tokens, sum(self.completion_tokens))
