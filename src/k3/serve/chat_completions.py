@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import Request
@@ -62,45 +62,36 @@ class _Reply(Reply):
                  prompt_tokens: int) -> None:
         super().__init__(model_name, body, body.n, prompt_tokens)
         self.mode, self.decode = mode, decode
+        self.tool_text = [""] * body.n  # the tools channel per choice, streamed
 
     def logprobs(self, output: Output) -> dict | None:
         if not self.body.logprobs:
             return None
         return {"content": [_logprob(self.decode, t.token_id, t.logprob, t.top) for t in output.logprobs]}
 
-    async def stream(self, run: Jobs) -> AsyncIterator[str]:
-        n = self.body.n
-        tool_text = [""] * n
-        for i in range(n):
-            yield sse(self.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                   "finish_reason": None}]))
-        try:
-            async for i, output in run.outputs():
-                self.completion_tokens[i] = output.completion_tokens
-                if (err := error_of(output)) is not None:
-                    yield sse(err.body(), "error")
-                    return
-                for channel, text in output.deltas:
-                    if channel == "tools":
-                        tool_text[i] += text
-                    else:
-                        key = "reasoning_content" if channel == "reasoning" else "content"
-                        yield sse(self.chunk([{"index": i, "delta": {key: text}, "logprobs": None,
-                                               "finish_reason": None}]))
-                if self.body.logprobs and output.logprobs:
-                    yield sse(self.chunk([{"index": i, "delta": {}, "logprobs": self.logprobs(output),
-                                           "finish_reason": None}]))
-                if output.finish_reason is not None:
-                    calls, reason = _tool_calls(tool_text[i], output.finish_reason)
-                    delta = ({"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]} if calls
-                             else {"content": tool_text[i]} if tool_text[i] else {})
-                    yield sse(self.chunk([{"index": i, "delta": delta, "logprobs": None, "finish_reason": reason}]))
-        except APIError as err:  # the request timed out
-            yield sse(err.body(), "error")
-            return
-        if self.body.include_usage:
-            yield sse(self.chunk([], self.usage()))
-        yield sse("[DONE]")
+    def opening(self) -> list[str]:
+        return [sse(self.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                 "finish_reason": None}])) for i in range(self.body.n)]
+
+    def events(self, index: int, output: Output) -> list[str]:
+        events = []
+        for channel, text in output.deltas:
+            if channel == "tools":  # sent as tool calls once complete
+                self.tool_text[index] += text
+            else:
+                key = "reasoning_content" if channel == "reasoning" else "content"
+                events.append(sse(self.chunk([{"index": index, "delta": {key: text}, "logprobs": None,
+                                               "finish_reason": None}])))
+        if self.body.logprobs and output.logprobs:
+            events.append(sse(self.chunk([{"index": index, "delta": {}, "logprobs": self.logprobs(output),
+                                           "finish_reason": None}])))
+        if output.finish_reason is not None:
+            calls, reason = _tool_calls(self.tool_text[index], output.finish_reason)
+            delta = ({"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]} if calls
+                     else {"content": self.tool_text[index]} if self.tool_text[index] else {})
+            events.append(sse(self.chunk([{"index": index, "delta": delta, "logprobs": None,
+                                           "finish_reason": reason}])))
+        return events
 
     async def whole(self, run: Jobs, request: Request) -> dict:
         n = self.body.n

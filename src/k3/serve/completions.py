@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -45,6 +45,7 @@ class _Reply(Reply):
                  prompt_tokens: int) -> None:
         super().__init__(model_name, body, choices, prompt_tokens)
         self.decode = decode
+        self.sent = [0] * choices  # characters streamed per choice
 
     def logprobs(self, output: Output, offset: int) -> dict | None:
         """The output's token log-probabilities; ``offset`` is where its text starts in the choice's text."""
@@ -55,25 +56,13 @@ class _Reply(Reply):
                 "top_logprobs": [{self.decode([i]): lp for i, lp in t.top} for t in output.logprobs],
                 "text_offset": [offset] * len(output.logprobs)}
 
-    async def stream(self, run: Jobs) -> AsyncIterator[str]:
-        sent = [0] * len(self.completion_tokens)  # characters streamed per choice
-        try:
-            async for i, output in run.outputs():
-                self.completion_tokens[i] = output.completion_tokens
-                if (err := error_of(output)) is not None:
-                    yield sse(err.body(), "error")
-                    return
-                text = "".join(t for _, t in output.deltas)
-                if text or output.finish_reason or self.body.logprobs is not None:
-                    yield sse(self.chunk([{"index": i, "text": text, "logprobs": self.logprobs(output, sent[i]),
-                                           "finish_reason": output.finish_reason}]))
-                sent[i] += len(text)
-        except APIError as err:  # the request timed out
-            yield sse(err.body(), "error")
-            return
-        if self.body.include_usage:
-            yield sse(self.chunk([], self.usage()))
-        yield sse("[DONE]")
+    def events(self, index: int, output: Output) -> list[str]:
+        text = "".join(t for _, t in output.deltas)
+        offset, self.sent[index] = self.sent[index], self.sent[index] + len(text)
+        if not (text or output.finish_reason or self.body.logprobs is not None):
+            return []
+        return [sse(self.chunk([{"index": index, "text": text, "logprobs": self.logprobs(output, offset),
+                                 "finish_reason": output.finish_reason}]))]
 
     async def whole(self, run: Jobs, request: Request) -> dict:
         n = len(self.completion_tokens)

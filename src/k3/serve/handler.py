@@ -12,17 +12,17 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
-from k3.serve.engine import Engine, Processor, SamplingParams
+from k3.serve.engine import Engine, Output, Processor, SamplingParams
 from k3.serve.guard import Limits
-from k3.serve.jobs import Jobs
-from k3.serve.protocol import APIError, parse_body, usage
+from k3.serve.jobs import Jobs, error_of
+from k3.serve.protocol import APIError, parse_body, sse, usage
 
 __all__ = ["Reply", "Route", "Serving"]
 
@@ -104,3 +104,31 @@ class Reply:
 
     def usage(self) -> dict:
         return usage(self.prompt_tokens, sum(self.completion_tokens))
+
+    def opening(self) -> list[str]:
+        """SSE events sent before any output."""
+        return []
+
+    def events(self, index: int, output: Output) -> list[str]:
+        """SSE events for one output of choice ``index``."""
+        raise NotImplementedError
+
+    async def stream(self, run: Jobs) -> AsyncIterator[str]:
+        """The SSE stream: `opening`, `events` per output, an error event when a choice fails or the
+        request times out, the usage chunk when asked for, then ``[DONE]``."""
+        for event in self.opening():
+            yield event
+        try:
+            async for i, output in run.outputs():
+                self.completion_tokens[i] = output.completion_tokens
+                if (err := error_of(output)) is not None:
+                    yield sse(err.body(), "error")
+                    return
+                for event in self.events(i, output):
+                    yield event
+        except APIError as err:  # the request timed out
+            yield sse(err.body(), "error")
+            return
+        if self.body.include_usage:
+            yield sse(self.chunk([], self.usage()))
+        yield sse("[DONE]")
