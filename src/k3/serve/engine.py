@@ -17,6 +17,13 @@ Generated ids go through the request's `Processor` (text, or the chat channels),
 matched on the visible channels with a hold-back so a stop string is never streamed, and every step
 reports an `Output` per request to its callback. `start` runs steps on a background thread;
 `generate` is a blocking iterator that works with or without it.
+
+One request never harms another (issue 9): sampling is safe for every accepted parameter value
+(`k3.generation.sample_next`); a failure while sampling or processing one request's token ends that
+request only; a failed model call holding several requests is retried once per request, alone, and only
+the requests that still fail end with ``finish_reason="error"``. Waiting requests are kept per *group*
+(the choices of one HTTP request) and groups take turns for free batch slots, so one request's fan-out
+cannot starve a later short one; the waiting queue is bounded (`QueueFull`).
 """
 
 from __future__ import annotations
@@ -216,9 +223,10 @@ class Engine:
                      request_ids: list[str] | None = None) -> list[str]:
         """Queue several requests of one group atomically: all are validated first, and either all are
         queued or none (ValueError naming the problem, `QueueFull`)."""
-        requests = [self._request(prompt, params, processor, callback,
-                                  request_ids[i] if request_ids else f"req-{next(self._ids)}")
-                    for i, (prompt, params, processor, callback) in enumerate(jobs)]
+        requests = []
+        for i, (prompt, params, processor, callback) in enumerate(jobs):
+            request_id = request_ids[i] if request_ids else f"req-{next(self._ids)}"
+            requests.append(self._request(prompt, params, processor, callback, request_id, group or request_id))
         with self._wake:
             waiting = self.num_waiting
             if waiting + len(requests) > self.max_waiting:
@@ -230,13 +238,12 @@ class Engine:
                     raise ValueError(f"request_id: {request.id!r} is already in use")
                 taken.add(request.id)
             for request in requests:
-                request.group = group or request.id
                 self._waiting.setdefault(request.group, deque()).append(request)
             self._wake.notify()
         return [r.id for r in requests]
 
     def _request(self, prompt: list[int], params: SamplingParams, processor: Processor | None,
-                 callback: Callable[[Output], None] | None, request_id: str) -> _Request:
+                 callback: Callable[[Output], None] | None, request_id: str, group: str) -> _Request:
         if not isinstance(prompt, list) or not prompt:
             raise ValueError("prompt: expected a non-empty list of token ids")
         vocab = self.model.config.vocab_size
@@ -249,7 +256,7 @@ class Engine:
         if params.temperature > 0:
             generator = torch.Generator()
             generator.manual_seed(params.seed % 2**64) if params.seed is not None else generator.seed()
-        return _Request(request_id, request_id, list(prompt), params, processor or TextProcessor(self.tokenizer),
+        return _Request(request_id, group, list(prompt), params, processor or TextProcessor(self.tokenizer),
                         callback or (lambda _: None), generator)
 
     def abort(self, request_id: str, wait: bool = True) -> bool:
