@@ -220,14 +220,15 @@ def test_slow_clients_are_cut_off(server, engine):
 
 
 def test_generations_past_the_request_timeout_are_cancelled(engine):
-    with BackgroundServer(create_app(engine, MODEL, limits=Limits(request_timeout=0.5))) as server:
-        status, data, _ = call(server.url, "POST", "/v1/completions", completion(max_tokens=200, prompt="a" * 40),
+    """The greedy continuation of "x = 1" runs to max_tokens (as test_serve_cli checks): 200 tokens take
+    over a second here, well past a 0.3 s request timeout."""
+    with BackgroundServer(create_app(engine, MODEL, limits=Limits(request_timeout=0.3))) as server:
+        status, data, _ = call(server.url, "POST", "/v1/completions", completion(max_tokens=200, prompt="x = 1"),
                                key=None)
         assert status == 408 and data["error"]["code"] == "request_timeout"
         wait_idle(engine)
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
-        stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a" * 40}],
-                                                max_tokens=200, stream=True)
+        stream = client.completions.create(model=MODEL, prompt="x = 1", max_tokens=200, temperature=0, stream=True)
         with pytest.raises(openai.APIError, match="request timeout"):
             for _ in stream:
                 pass
