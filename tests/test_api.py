@@ -117,13 +117,13 @@ def test_completions_non_streaming_and_streaming(client):
 
 
 def test_stop_strings(client):
-    base = client.completions.create(model=MODEL, prompt="class Decoder:", max_tokens=30, temperature=0)
+    base = client.completions.create(model=MODEL, prompt="import json", max_tokens=30, temperature=0)
     text = base.choices[0].text
     stop = text[10:13]
-    cut = client.completions.create(model=MODEL, prompt="class Decoder:", max_tokens=30, temperature=0,
+    cut = client.completions.create(model=MODEL, prompt="import json", max_tokens=30, temperature=0,
                                     stop=[stop, "\x00"])
     assert cut.choices[0].text == text[:text.find(stop)] and cut.choices[0].finish_reason == "stop"
-    streamed = client.completions.create(model=MODEL, prompt="class Decoder:", max_tokens=30, temperature=0,
+    streamed = client.completions.create(model=MODEL, prompt="import json", max_tokens=30, temperature=0,
                                          stop=stop, stream=True)
     assert "".join(c.choices[0].text for c in streamed) == cut.choices[0].text
 
@@ -221,7 +221,7 @@ def test_a_disconnected_non_streaming_request_is_cancelled(server, engine):
     aborted = engine.finished["abort"]
     parts = urlparse(server.url)
     conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
-    body = {"model": MODEL, "prompt": "import json\n", "max_tokens": 500, "temperature": 0}
+    body = {"model": MODEL, "prompt": "x = 1", "max_tokens": 400, "temperature": 0}  # greedy: 400 tokens, no eos
     conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"content-type": "application/json"})
     deadline = time.monotonic() + 10
     while not engine.running and time.monotonic() < deadline:

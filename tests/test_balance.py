@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from fractions import Fraction
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -19,6 +20,7 @@ from k3.train.balance import (
     bias_step,
     exact_threshold,
     histogram_counts,
+    histogram_range,
     histogram_threshold,
     margins,
     next_bias,
@@ -216,6 +218,56 @@ def test_next_bias_histogram_close_to_exact():
     assert (exact - hist).abs().max() <= 2 * 2 / 256 + 1e-6  # each θ within a bin, the means within a bin
 
 
+def sorted_threshold(scores: np.ndarray, bias: np.ndarray, k: int) -> np.ndarray:
+    """The seed's rule by sorting: cutoff = (k+1)-th largest of s + b, θ = the (⌊q⌋+1)-th largest margin."""
+    m, n = scores.shape
+    cutoff = np.sort(scores + bias, axis=1)[:, -(k + 1)]
+    mg = scores - cutoff[:, None]
+    return np.sort(mg, axis=0)[::-1][math.floor(m * k / n)]
+
+
+def large_bias(scale: float) -> torch.Tensor:
+    """Mean-zero biases ±scale (and ±scale/2): the (k+1)-th largest sits far from 0 for k = 2."""
+    return torch.tensor([1.0, 1.0, 1.0, 0.5, -0.5, -1.0, -1.0, -1.0], dtype=torch.float64) * scale
+
+
+def test_histogram_range_holds_every_margin_and_is_attained():
+    """Bias (3, 1.5, −1.5, −3), k = 1: c = 1.5, range [−2.5, −0.5]. A token scoring (0, 1, 1, 0) has cutoff
+    2.5 and margin −2.5 on expert 0 (the lower end); one scoring (1, 0, 0, 0) has cutoff 1.5 and margin
+    −0.5 on expert 0 (the upper end). Today's fixed [−1, 1] would miss every one of these margins."""
+    bias = torch.tensor([3.0, 1.5, -1.5, -3.0])
+    assert histogram_range(bias, 1) == (-2.5, -0.5)
+    scores = torch.tensor([[0.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0]])
+    assert margins(scores, bias, 1)[:, 0].tolist() == [-2.5, -0.5]
+    g = torch.Generator().manual_seed(6)
+    for scale in (0.1, 1.5, 3.0, 10.0):
+        scores = torch.rand(400, 8, generator=g)
+        lo, hi = histogram_range(large_bias(scale), 2)
+        mg = margins(scores, large_bias(scale), 2)
+        assert hi - lo == 2.0 and lo <= float(mg.min()) and float(mg.max()) <= hi
+
+
+@pytest.mark.parametrize("scale", [1.5, 3.0, 10.0, 100.0])
+def test_histogram_threshold_within_one_bin_under_large_biases(scale):
+    """SPEC §5 with biases ±1.5 and beyond: the histogram θ (256 bins, "a few hundred") is within one bin
+    width 2/256 of the threshold found by sorting, and the centred bias within two (θ and the mean)."""
+    g = torch.Generator().manual_seed(int(scale * 10))
+    m, n, k, bins = 512, 8, 2, 256
+    scores, bias = torch.rand(m, n, generator=g, dtype=torch.float64), large_bias(scale)
+    expected = sorted_threshold(scores.numpy(), bias.numpy(), k)
+    lo, hi = histogram_range(bias, k)
+    theta = histogram_threshold(histogram_counts(margins(scores, bias, k), bins, lo, hi), lo, hi, m * k / n)
+    assert np.abs(theta.double().numpy() - expected).max() <= 2 / bins + 1e-6
+    centred = -expected + expected.mean()
+    got = next_bias(scores, bias, k, mode="histogram", bins=bins).double().numpy()
+    assert np.abs(got - centred).max() <= 2 * 2 / bins + 1e-6
+
+
+def test_histogram_mode_refuses_scores_outside_the_sigmoid_range():
+    with pytest.raises(ValueError, match=r"scores must be sigmoid router scores in \[0, 1\]"):
+        next_bias(torch.rand(8, 4) + 1, torch.zeros(4), 1, mode="histogram")
+
+
 # ---------------------------------------------------------------------- what balancing does not do
 def test_identical_future_tokens_choose_the_same_expert():
     """Seed counterexample: under a fixed balanced bias a repeated score row routes every token alike."""
@@ -350,6 +402,25 @@ def test_balancing_a_skewed_router(mode):
     assert ratios[0] > 3.5 and expert0[0] > 0.9 * m  # n/k = 4: expert 0 takes almost every token
     assert max(ratios[-5:]) < 1.5 and max(expert0[-5:]) < 1.5 * m * k / n
     assert stats["load_idle"] == 0
+
+
+@pytest.mark.parametrize("scale", [1.5, 3.0])
+def test_balancer_histogram_mode_under_large_biases(scale):
+    """The balancer's histogram mode (two micro-batches, counts pooled) lands within two bins of the sorted
+    reference on the pooled scores when the router's bias is ±scale."""
+    torch.manual_seed(8)
+    model = RouterOnly(16, 8, 2).train()
+    with torch.no_grad():
+        model.router.balance_bias.copy_(large_bias(scale).float())
+    balancer = QuantileBalancer(model, mode="histogram", bins=256)
+    seen = []
+    for _ in range(2):
+        model(torch.randn(128, 16) * 20)  # spread-out scores
+        seen.append(model.router.last_scores.double())
+    expected = sorted_threshold(torch.cat(seen).numpy(), large_bias(scale).float().double().numpy(), 2)
+    balancer.update()
+    got = model.router.balance_bias.double().numpy()
+    assert np.abs(got - (-expected + expected.mean())).max() <= 2 * 2 / 256 + 1e-6
 
 
 def test_load_stats_counts_idle_experts():

@@ -15,6 +15,15 @@ def attnres(query, values):
     return retrieve(query, values, [rms_norm(v, None, EPS) for v in values])
 
 
+def explicit_retrieve(w: torch.Tensor, sources: list[torch.Tensor]) -> torch.Tensor:
+    """SPEC §3 written out: ``Σ_i softmax_i(w · RMSNorm(b_i)) · b_i`` over the stacked sources, keys normalised
+    with unit gain (``b / sqrt(mean(b²) + eps)``), values raw."""
+    b = torch.stack(sources)  # [S, ..., d]
+    keys = b / torch.sqrt(b.pow(2).mean(-1, keepdim=True) + EPS)
+    weights = torch.softmax((keys * w).sum(-1), dim=0)  # [S, ...]
+    return (weights.unsqueeze(-1) * b).sum(0)
+
+
 def test_worked_value():
     """b0 = [1, 0], b1 = [0, 2], w = [1, 0] → weights ≈ [.8044, .1956], output [.80443, .39114]."""
     b0, b1, w = (torch.tensor(x, dtype=torch.float64) for x in ([1.0, 0.0], [0.0, 2.0], [1.0, 0.0]))
@@ -32,6 +41,11 @@ def test_zero_query_is_uniform_average():
     values = [torch.randn(3, 5, 8, dtype=torch.float64) for _ in range(4)]
     out = attnres(torch.zeros(8, dtype=torch.float64), values)
     torch.testing.assert_close(out, sum(values) / 4)
+
+
+def test_explicit_reference_reproduces_the_worked_value():
+    b0, b1, w = (torch.tensor(x, dtype=torch.float64) for x in ([1.0, 0.0], [0.0, 2.0], [1.0, 0.0]))
+    assert explicit_retrieve(w, [b0, b1]).tolist() == pytest.approx([0.80443, 0.39114], abs=5e-6)
 
 
 def test_block_state_after_93_layers_has_nine_sources():
@@ -55,13 +69,13 @@ def test_block_state_after_93_layers_has_nine_sources():
 def test_retrieve_after_includes_the_mixer_output_in_the_partial():
     x = torch.randn(2, 3, 8, dtype=torch.float64)
     state = BlockAttnRes.start(x, block_size=4, eps=EPS)
-    a = torch.randn_like(x)
+    a, f = torch.randn_like(x), torch.randn_like(x)
     q = torch.randn(8, dtype=torch.float64)
-    torch.testing.assert_close(state.retrieve_after(a, q), attnres(q, [x, a]))
-    state = state.commit(a, torch.randn_like(x))
+    torch.testing.assert_close(state.retrieve_after(a, q), explicit_retrieve(q, [x, a]))
+    state = state.commit(a, f)
     a2 = torch.randn_like(x)
-    torch.testing.assert_close(state.retrieve_after(a2, q), attnres(q, [x, state.partial + a2]))
-    torch.testing.assert_close(state.retrieve(q), attnres(q, [x, state.partial]))
+    torch.testing.assert_close(state.retrieve_after(a2, q), explicit_retrieve(q, [x, a + f + a2]))
+    torch.testing.assert_close(state.retrieve(q), explicit_retrieve(q, [x, a + f]))
 
 
 def test_block_boundary_moves_the_partial_to_a_source():

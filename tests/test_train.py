@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -195,3 +196,145 @@ def test_eval_reads_the_checkpoint_it_is_given_and_writes_nothing(tmp_path, corp
     assert [r["step"] for r in results] == [2, 4, 4]
     assert results[0]["val_loss"] != results[1]["val_loss"] == results[2]["val_loss"]
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == files
+
+
+class FixedBatches:
+    """A stand-in for the training loader: yields the given micro-batches in turn."""
+
+    def __init__(self, batches: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], seq_len: int) -> None:
+        self.batches, self.seq_len = iter(batches), seq_len
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return next(self.batches)
+
+
+def uneven_batch(rows: int = 8, length: int = 32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random tokens; rows 0–1 fully supervised, every other row only 1–3 positions: split into micro-batches
+    of 2 rows, the first holds 64 supervised positions and each of the others at most 6."""
+    g = torch.Generator().manual_seed(7)
+    inputs, targets = torch.randint(0, 512, (2, rows, length), generator=g)
+    mask = torch.zeros(rows, length, dtype=torch.bool)
+    mask[:2] = True
+    for r in range(2, rows):
+        mask[r, torch.randperm(length, generator=g)[: 1 + r % 3]] = True
+    return inputs, targets, mask
+
+
+Step = tuple[float, dict[str, torch.Tensor], list[torch.Tensor], list[torch.Tensor]]
+
+
+def one_step(tmp_path, corpus, monkeypatch, micro: int) -> Step:
+    """One `Run.step` over `uneven_batch` cut into ``micro`` micro-batches: the logged loss, the parameter
+    gradients the optimisers receive (before clipping) and the gradient reaching each micro-batch's logits."""
+    from k3.train.loop import Run
+
+    run = Run(config(tmp_path, corpus, grad_accum=micro, curriculum=[[0.0, 32]]))
+    run.prepare(resume=False)
+    inputs, targets, mask = uneven_batch()
+    run.train_loader = FixedBatches(list(zip(inputs.chunk(micro), targets.chunk(micro), mask.chunk(micro))), 32)
+    logits: list[torch.Tensor] = []
+
+    def keep(module, args, out) -> None:
+        out[0].retain_grad()
+        logits.append(out[0])
+
+    run.model.register_forward_hook(keep)
+    grads: dict[str, torch.Tensor] = {}
+    clip = torch.nn.utils.clip_grad_norm_
+
+    def record(params, max_norm):
+        grads.update({name: p.grad.clone() for name, p in run.model.named_parameters() if p.grad is not None})
+        return clip(params, max_norm)
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", record)
+    loss = run.step()["loss"]
+    monkeypatch.undo()
+    return loss, grads, [x.detach() for x in logits], [x.grad for x in logits]
+
+
+def test_gradient_accumulation_does_not_change_the_objective(tmp_path, corpus, monkeypatch):
+    """SPEC §7: the loss is the mean over all the step's supervised positions, so one batch of 8 rows and
+    4 micro-batches of 2 give the same loss and gradients even when the micro-batches' supervised counts
+    differ 64 : ≤6. The seeds' masked-gradient formula: the gradient of a logit is (softmax − one-hot)
+    averaged over *all* trained positions of the step, zero at masked ones."""
+    loss1, grads1, logits1, dlogits1 = one_step(tmp_path, corpus, monkeypatch, micro=1)
+    loss4, grads4, logits4, dlogits4 = one_step(tmp_path, corpus, monkeypatch, micro=4)
+    _, targets, mask = uneven_batch()
+    logits = torch.cat(logits4)
+    torch.testing.assert_close(logits, logits1[0], rtol=1e-5, atol=1e-5)  # the same forward, cut differently
+    supervised = int(mask.sum())
+    probs = torch.softmax(logits.double(), -1)
+    expected_loss = float(-probs.log().gather(-1, targets[..., None]).squeeze(-1)[mask].sum() / supervised)
+    assert loss1 == pytest.approx(expected_loss, rel=1e-5) and loss4 == pytest.approx(expected_loss, rel=1e-5)
+    onehot = torch.nn.functional.one_hot(targets, probs.shape[-1]).double()
+    expected_dlogits = (probs - onehot) * mask[..., None] / supervised
+    for got in (dlogits1[0], torch.cat(dlogits4)):
+        torch.testing.assert_close(got.double(), expected_dlogits, rtol=1e-4, atol=1e-8)
+    assert grads1.keys() == grads4.keys() and len(grads1) > 10
+    for name, grad in grads1.items():
+        torch.testing.assert_close(grads4[name], grad, rtol=1e-4, atol=1e-7, msg=name)
+
+
+def test_paper_curriculum_is_the_papers_shape():
+    """SPEC §7 / report §§3.3–3.4: 8K → 64K pre-training, 256K → 1M cooldown (1M = the paper's context,
+    1,048,576 = 2²⁰), i.e. 8×, 4×, 4×; stages start at 0, 50%, 90% and 97% of the steps (loop.py's choice)."""
+    from k3.config import K3Config
+    from k3.train.loop import paper_curriculum
+
+    paper = paper_curriculum()
+    assert paper == [[0.0, 8192], [0.5, 65536], [0.9, 262144], [0.97, 1048576]]
+    assert paper[-1][1] == 2**20 == K3Config().context_length
+    lengths = [length for _, length in paper]
+    assert [b / a for a, b in zip(lengths, lengths[1:])] == [8, 4, 4]
+    assert paper_curriculum(32) == [[0.0, 32], [0.5, 256], [0.9, 1024], [0.97, 4096]]
+    for bad in (0, -8, 1.5, True):
+        with pytest.raises(ValueError, match="paper curriculum base"):
+            paper_curriculum(bad)
+
+
+def test_default_curriculum_is_the_paper_shape_scaled_to_the_presets():
+    """TrainConfig's and `k3 train`'s default: the paper's four stages from 32 tokens (32 → 256 → 1024 → 4096,
+    fitting the tiny preset's 4096 context), written out as the explicit list."""
+    from k3.cli import _curriculum
+    from k3.train.loop import TrainConfig
+
+    expected = [[0.0, 32], [0.5, 256], [0.9, 1024], [0.97, 4096]]
+    assert TrainConfig().curriculum == expected
+    assert TrainConfig(preset="tiny").validate().curriculum == expected
+    assert _curriculum("paper:32") == expected and _curriculum("paper")[-1] == [0.97, 1048576]
+    assert _curriculum("0:32,0.5:64") == [[0.0, 32], [0.5, 64]]
+
+
+def test_curriculum_longer_than_the_context_is_refused(tmp_path, corpus, capsys):
+    """The unscaled paper curriculum (1M) does not fit the tiny preset (context 4096): refused before any
+    data is read, naming the field, the flag and the limit; so are malformed paper:BASE and falling fractions."""
+    from k3.train.loop import paper_curriculum
+
+    with pytest.raises(ValueError, match=r"train.curriculum \(--curriculum\) reaches length 8192, beyond the "
+                                         r"model's context_length 4096.*paper:32"):
+        train(config(tmp_path / "a", corpus, tokens_per_step=8192, curriculum=paper_curriculum(64)))
+    assert main(["train", "--preset", "tiny", "--out", str(tmp_path / "b"), "--curriculum", "paper",
+                 "--tokens-per-step", str(2**20), "--no-progress"]) == 2
+    assert "--curriculum) reaches length 1048576, beyond the model's context_length 4096" in capsys.readouterr().err
+    assert not (tmp_path / "b").exists()
+    for bad in ("paper:0", "paper:x"):
+        with pytest.raises(SystemExit):
+            main(["train", "--curriculum", bad])
+        assert "expected paper or paper:BASE" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="fractions must increase"):
+        train(config(tmp_path / "c", corpus, curriculum=[[0.0, 32], [0.6, 64], [0.5, 32]]))
+
+
+def test_cli_run_passes_through_the_four_paper_stages(tmp_path, corpus):
+    """`k3 train --curriculum paper:8` for 34 steps: stage i runs from step ⌈fraction_i·34⌉ (0, 17, 31, 33),
+    so the metrics show 17 steps at 8 tokens, 14 at 64, 2 at 256 and 1 at 1024; train.json keeps the
+    explicit stages."""
+    out = tmp_path / "run"
+    assert main(["train", "--preset", "tiny", "--steps", "34", "--out", str(out), "--data", str(corpus),
+                 "--tokens-per-step", "1024", "--curriculum", "paper:8", "--eval-every", "100",
+                 "--ckpt-every", "100", "--no-progress"]) == 0
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [r["seq_len"] for r in rows] == [8] * 17 + [64] * 14 + [256] * 2 + [1024]
+    assert all(r["tokens"] == 1024 and math.isfinite(r["loss"]) for r in rows)
+    assert ckpt.read_train(ckpt.latest_checkpoint(out))["curriculum"] == [[0.0, 8], [0.5, 64], [0.9, 256],
+                                                                           [0.97, 1024]]

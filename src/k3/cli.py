@@ -49,19 +49,31 @@ def _positive(kind: type, zero: bool = False) -> Callable[[str], int | float]:
 
 
 def _curriculum(text: str) -> list[list[float]]:
-    """``"0:256,0.6:1024,0.9:4096"`` → ``[[0.0, 256], [0.6, 1024], [0.9, 4096]]``."""
+    """``"0:256,0.6:1024"`` → ``[[0.0, 256], [0.6, 1024]]``; ``"paper"`` / ``"paper:BASE"`` → the paper's four
+    stages (SPEC §7, `k3.train.loop.paper_curriculum`) with first length 8192 / ``BASE``."""
+    name, _, base = text.partition(":")
+    if name == "paper":
+        from k3.train.loop import PAPER_BASE, paper_curriculum
+
+        try:
+            return paper_curriculum(int(base) if base else PAPER_BASE)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(f"expected paper or paper:BASE (BASE a positive integer, the "
+                                             f"first stage's length), got {text!r}") from err
     try:
         return [[float(frac), int(length)] for frac, length in (part.split(":") for part in text.split(","))]
     except ValueError as err:
-        raise argparse.ArgumentTypeError(f"expected FRACTION:LENGTH,... got {text!r}") from err
+        raise argparse.ArgumentTypeError(f"expected FRACTION:LENGTH,... or paper[:BASE], got {text!r}") from err
 
 
 def _train(args: argparse.Namespace) -> int:
     from k3.train.loop import TrainConfig, train
     from k3.train.optim import OptimConfig
 
-    optim = OptimConfig(optimizer=args.optimizer, qk_clip=args.qk_clip,
-                        **({"lr": args.lr, "adam_lr": args.lr} if args.lr is not None else {}))
+    chosen = {"qk_clip": args.qk_clip} if args.qk_clip is not None else {}
+    if args.lr is not None:
+        chosen.update(lr=args.lr, adam_lr=args.lr)
+    optim = OptimConfig(optimizer=args.optimizer, **chosen)
     config = TrainConfig(
         out=args.out, preset=args.preset, steps=args.steps, tokens_per_step=args.tokens_per_step,
         grad_accum=args.grad_accum, curriculum=args.curriculum, bf16=args.bf16, eval_every=args.eval_every,
@@ -245,11 +257,14 @@ def main(argv: list[str] | None = None) -> int:
     tr.add_argument("--resume", action="store_true", help="continue the run in --out if it has a checkpoint")
     tr.add_argument("--tokens-per-step", type=int, default=4096)
     tr.add_argument("--grad-accum", type=int, default=1)
-    tr.add_argument("--curriculum", type=_curriculum, default=[[0.0, 256], [0.6, 1024], [0.9, 4096]],
-                    help="FRACTION:LENGTH stages, e.g. 0:256,0.6:1024,0.9:4096")
+    tr.add_argument("--curriculum", type=_curriculum, default="paper:32",
+                    help="FRACTION:LENGTH stages, e.g. 0:256,0.6:1024,0.9:4096, or paper:BASE, the paper's "
+                         "8K→64K→256K→1M shape from length BASE (stages at 0, 0.5, 0.9, 0.97 of the steps; "
+                         "plain 'paper' is BASE 8192) (default: %(default)s)")
     tr.add_argument("--lr", type=float)
     tr.add_argument("--optimizer", choices=("muon", "adamw"), default="muon")
-    tr.add_argument("--qk-clip", type=float, help="QK-clip threshold for MLA heads (off by default)")
+    tr.add_argument("--qk-clip", type=_positive(float, zero=True),
+                    help="QK-clip threshold tau for MLA heads (default: Kimi K2's 100; 0 disables)")
     tr.add_argument("--balance", choices=("exact", "histogram", "bias-step", "none"), default="exact")
     tr.add_argument("--bf16", action="store_true", help="bf16 autocast")
     tr.add_argument("--eval-every", type=int, default=50)

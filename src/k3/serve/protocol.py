@@ -127,9 +127,10 @@ def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
     try:
         return model.model_validate_json(raw)
     except ValidationError as err:
-        first = err.errors()[0]
-        if first["type"] == "json_invalid":
-            raise APIError(400, f"the request body is not valid JSON: {first['msg']}") from None
+        errors = err.errors()
+        if errors[0]["type"] == "json_invalid":
+            raise APIError(400, f"the request body is not valid JSON: {errors[0]['msg']}") from None
+        first = max(errors, key=lambda e: len(e["loc"]))  # of a union's failed members, the one that got furthest
         loc = [str(x) for x in first["loc"] if not _union_tag(x)]
         param = loc[0] if loc else None
         text = first["msg"].removeprefix("Value error, ")

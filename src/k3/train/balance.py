@@ -11,6 +11,10 @@ The new bias is written into ``Router.balance_bias`` after the step, so it acts 
 and is frozen at inference. Balancing aims one step's load at the target: it does not balance every
 future batch (identical tokens still all choose the same experts).
 
+Histogram mode (the report's production form: a few hundred bins per expert) bins the margins over
+`histogram_range`, an interval fixed by the old bias that provably holds every margin of sigmoid scores,
+so the estimate is within one bin width of the exact threshold however large the biases grow.
+
 Distributed (``torch.distributed`` initialised, over ``group``): histogram mode sums the per-expert
 counts with one all-reduce before thresholding; exact mode all-gathers the margins; `QuantileBalancer`
 also sums each step's load (which bias-step mode and `load_stats` use). Every rank gets the same bias.
@@ -61,6 +65,24 @@ def exact_threshold(margins: Tensor, q: float) -> Tensor:
         raise ValueError(f"target load q = {q} is invalid for {m} margins: must be in [0, m] with m > 0")
     rank = min(math.floor(q), m - 1)  # 0-based rank from the top
     return margins.kthvalue(m - rank, dim=0).values
+
+
+def histogram_range(bias: Tensor, k: int) -> tuple[float, float]:
+    """The bin range ``(−1 − c, 1 − c)`` for sigmoid scores under ``bias`` [n], ``c`` its (k+1)-th largest value.
+
+    Router scores are sigmoids (SPEC §4), so ``0 ≤ s ≤ 1``. Then ``s + b ≥ b`` entrywise, so each token's
+    cutoff (the (k+1)-th largest of ``s + b``) lies in ``[c, 1 + c]`` and every margin ``s − cutoff`` in
+    ``[−1 − c, 1 − c]``: all margins are binned without clamping, which is what the one-bin bound of
+    `histogram_threshold` needs. The width is 2 whatever the bias (bin width ``2/bins``). Why this and
+    not the batch's min/max: it depends only on the old bias, which every micro-batch of the step and
+    every data-parallel rank shares, so the edges are fixed before any margin is seen and the counts of
+    all micro-batches and ranks still add up by one sum, with no extra communication.
+    """
+    n = bias.shape[-1]
+    if not 0 < k < n:
+        raise ValueError(f"top-k = {k} is invalid for quantile balancing: must be in (0, n_experts={n})")
+    c = float(bias.detach().double().topk(k + 1).values[-1])
+    return -1.0 - c, 1.0 - c
 
 
 def histogram_counts(margins: Tensor, bins: int, lo: float, hi: float) -> Tensor:
@@ -139,16 +161,20 @@ def _centred_bias(theta: Tensor) -> Tensor:
 
 
 def next_bias(scores: Tensor, bias: Tensor, k: int, mode: str = "exact", bins: int = 256,
-              lo: float = -1.0, hi: float = 1.0, group: dist.ProcessGroup | None = None) -> Tensor:
-    """scores [m, n], old bias [n] → the next bias [n] fp32: ``−θ`` mean-centred, target ``q = m·k/n``.
+              group: dist.ProcessGroup | None = None) -> Tensor:
+    """scores [m, n] (sigmoid, in [0, 1]), old bias [n] → the next bias [n] fp32: ``−θ`` mean-centred,
+    target ``q = m·k/n``.
 
-    ``mode="exact"`` uses `exact_threshold`; ``"histogram"`` uses ``bins`` bins over [lo, hi] (margins
-    of sigmoid scores under small biases lie in about [−1, 1]).
+    ``mode="exact"`` uses `exact_threshold`; ``"histogram"`` uses ``bins`` bins over `histogram_range`
+    (each θ within one bin width, ``2/bins``, of the exact one).
     """
     mg = margins(scores, bias, k)
     if mode == "exact":
         return _centred_bias(_exact_theta(mg, k, group))
     if mode == "histogram":
+        if not bool(((scores >= 0) & (scores <= 1)).all()):
+            raise ValueError("scores must be sigmoid router scores in [0, 1] for histogram balancing")
+        lo, hi = histogram_range(bias, k)
         return _centred_bias(_histogram_theta(histogram_counts(mg, bins, lo, hi), k, lo, hi, group))
     raise ValueError(f"mode = {mode!r} is invalid: must be 'exact' or 'histogram'")
 
@@ -161,11 +187,13 @@ def bias_step(load: Tensor, bias: Tensor, gamma: float) -> Tensor:
 
 @dataclass
 class _Pending:
-    """What one router saw since the last update: summed load and margins (exact) or counts (histogram)."""
+    """What one router saw since the last update: summed load and margins (exact) or counts (histogram)
+    and their bin range (fixed by the bias, which does not change until the update)."""
 
     load: Tensor | None = None
     margins: list[Tensor] = field(default_factory=list)
     counts: Tensor | None = None
+    edges: tuple[float, float] | None = None
 
 
 class QuantileBalancer:
@@ -173,20 +201,21 @@ class QuantileBalancer:
 
     Forward hooks collect, for each training-mode forward with grad enabled (all micro-batches of a
     step), the load and the margins under the current bias (exact mode keeps them; histogram mode
-    keeps only the per-expert counts). `update()`, called once after the step's backward, turns them
-    into the next biases and writes them in place into ``router.balance_bias`` (so they act from the
-    next step on). Eval-mode or no-grad forwards are not collected, so inference never moves a bias.
-    ``mode="bias-step"`` applies `bias_step` with ``gamma`` instead. Each router's own k is used.
+    keeps only the per-expert counts over `histogram_range`). `update()`, called once after the step's
+    backward, turns them into the next biases and writes them in place into ``router.balance_bias`` (so
+    they act from the next step on). Eval-mode or no-grad forwards are not collected, so inference never
+    moves a bias. ``mode="bias-step"`` applies `bias_step` with ``gamma`` instead. Each router's own k is
+    used.
 
     The balancer keeps no state across steps beyond the last step's loads for `load_stats` (the
     biases are model buffers and are checkpointed with the weights), so it has no ``state_dict``.
     """
 
     def __init__(self, model: nn.Module, mode: str = "exact", bins: int = 256, gamma: float = 1e-3,
-                 lo: float = -1.0, hi: float = 1.0, group: dist.ProcessGroup | None = None) -> None:
+                 group: dist.ProcessGroup | None = None) -> None:
         if mode not in MODES:
             raise ValueError(f"mode = {mode!r} is invalid: must be one of {MODES}")
-        self.mode, self.bins, self.gamma, self.lo, self.hi, self.group = mode, bins, gamma, lo, hi, group
+        self.mode, self.bins, self.gamma, self.group = mode, bins, gamma, group
         self.routers = {name: m for name, m in model.named_modules() if isinstance(m, Router)}
         for name, router in self.routers.items():
             if mode != "bias-step" and router.k >= router.weight.shape[0]:
@@ -206,9 +235,11 @@ class QuantileBalancer:
             mg = margins(router.last_scores, router.balance_bias, router.k)
             if self.mode == "exact":
                 p.margins.append(mg)
+            elif p.counts is None:
+                p.edges = histogram_range(router.balance_bias, router.k)
+                p.counts = histogram_counts(mg, self.bins, *p.edges)
             else:
-                counts = histogram_counts(mg, self.bins, self.lo, self.hi)
-                p.counts = counts if p.counts is None else p.counts + counts
+                p.counts += histogram_counts(mg, self.bins, *p.edges)
 
         return hook
 
@@ -224,7 +255,7 @@ class QuantileBalancer:
             if self.mode == "exact":
                 new = _centred_bias(_exact_theta(torch.cat(p.margins), router.k, self.group))
             elif self.mode == "histogram":
-                new = _centred_bias(_histogram_theta(p.counts, router.k, self.lo, self.hi, self.group))
+                new = _centred_bias(_histogram_theta(p.counts, router.k, *p.edges, self.group))
             else:
                 new = bias_step(p.load, router.balance_bias, self.gamma)
             router.balance_bias.copy_(new)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from k3.config import K3Config, preset
 from k3.model.lm import K3ForCausalLM
@@ -30,7 +31,6 @@ from k3.train.data import (
     eval_batches,
     load_documents,
     masked_loss_sum,
-    masked_mean_loss,
     split_documents,
     stdlib_documents,
     tokenize_documents,
@@ -39,17 +39,42 @@ from k3.train.optim import OptimConfig, build_optimizers, qk_clip_mla, scheduler
 from k3.train.tokenizer import Tokenizer
 
 
+#: The paper's context curriculum (SPEC §7; report §§3.3–3.4): pre-training at 8K then 64K, cooldown at
+#: 256K then 1M, as (fraction of the steps where a stage starts, its length ÷ the first stage's). The
+#: length ratios 1 : 8 : 32 : 128 are the paper's; it gives no stage durations, only that the 64K stage
+#: comes later in pre-training and that the two cooldown stages are a small fraction of training. Our
+#: choice: the two pre-training lengths share the first 90% of the steps equally, the cooldown is the
+#: last 10% (256K for 7%, 1M for the final 3%, the costliest length for the shortest time).
+PAPER_CURRICULUM = ((0.0, 1), (0.5, 8), (0.9, 32), (0.97, 128))
+
+#: The paper's first stage length (8K tokens).
+PAPER_BASE = 8192
+
+#: The default run's first stage length: the largest for which the paper's 128× top stage (4096) fits the
+#: context of both the tiny (4096) and small (8192) presets and divides the default tokens_per_step.
+DEFAULT_BASE = 32
+
+
+def paper_curriculum(base: int = PAPER_BASE) -> list[list[float]]:
+    """`PAPER_CURRICULUM` with first length ``base``: stages ``[fraction, base·ratio]``, lengths ``base ×
+    (1, 8, 32, 128)`` (8×, 4×, 4×); ``base = 8192`` gives the paper's 8K → 64K → 256K → 1M."""
+    if isinstance(base, bool) or not isinstance(base, int) or base < 1:
+        raise ValueError(f"paper curriculum base = {base!r} is invalid: must be a positive integer")
+    return [[fraction, base * ratio] for fraction, ratio in PAPER_CURRICULUM]
+
+
 @dataclass
 class TrainConfig:
-    """A training run. ``curriculum`` maps a fraction of the steps to a sequence length (SPEC §7,
-    scaled down from 8K → 64K → 256K → 1M); each step sees ``tokens_per_step`` tokens at any length."""
+    """A training run. ``curriculum`` is the explicit list of ``[fraction of the steps where a stage
+    starts, sequence length]`` (SPEC §7; by default `paper_curriculum` scaled to `DEFAULT_BASE`); each
+    step sees ``tokens_per_step`` tokens at any length."""
 
     out: str = "runs/k3"
     preset: str = "small"
     steps: int = 1000
     tokens_per_step: int = 4096
     grad_accum: int = 1
-    curriculum: list[list[float]] = field(default_factory=lambda: [[0.0, 256], [0.6, 1024], [0.9, 4096]])
+    curriculum: list[list[float]] = field(default_factory=lambda: paper_curriculum(DEFAULT_BASE))
     clip_grad: float = 1.0
     bf16: bool = False
     eval_every: int = 50
@@ -95,15 +120,25 @@ class TrainConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"train.{name} = {value!r} is invalid: must be a positive integer")
-        if not self.curriculum or self.curriculum[0][0] != 0:
-            raise ValueError(f"train.curriculum = {self.curriculum!r} is invalid: must start at fraction 0")
+        self._validate_curriculum()
+        if self.balance not in ("exact", "histogram", "bias-step", "none"):
+            raise ValueError(f"train.balance = {self.balance!r} is invalid: exact / histogram / bias-step / none")
+        return self
+
+    def _validate_curriculum(self) -> None:
+        fractions = [frac for frac, _ in self.curriculum]
+        if not fractions or fractions[0] != 0 or fractions != sorted(set(fractions)):
+            raise ValueError(f"train.curriculum = {self.curriculum!r} is invalid: must start at fraction 0 and "
+                             f"its fractions must increase")
         for frac, length in self.curriculum:
             if not 0 <= frac < 1 or int(length) < 1 or self.tokens_per_step % (int(length) * self.grad_accum):
                 raise ValueError(f"train.curriculum stage {[frac, length]} is invalid: fractions in [0, 1) and "
                                  f"tokens_per_step={self.tokens_per_step} divisible by length·grad_accum")
-        if self.balance not in ("exact", "histogram", "bias-step", "none"):
-            raise ValueError(f"train.balance = {self.balance!r} is invalid: exact / histogram / bias-step / none")
-        return self
+        context = self.model_config().context_length
+        longest = max(int(length) for _, length in self.curriculum)
+        if longest > context:
+            raise ValueError(f"train.curriculum (--curriculum) reaches length {longest}, beyond the model's "
+                             f"context_length {context}: use shorter stages (e.g. paper:{max(1, context // 128)})")
 
     def stage(self, step: int) -> int:
         """Index of the curriculum stage that ``step`` (0-based) belongs to."""
@@ -251,6 +286,27 @@ class Run:
     def _mla_layers(self) -> list[GatedMLA]:
         return [m for m in self.model.modules() if isinstance(m, GatedMLA)]
 
+    def _accumulate(self, batches: list[tuple[Tensor, Tensor, Tensor]]) -> float:
+        """Forward and backward the step's micro-batches; returns the step's loss (SPEC §7).
+
+        The objective is the mean over *all* the step's supervised positions, ``Σ loss sums / Σ counts``:
+        each micro-batch backpropagates its loss sum divided by the step's total count (known from the
+        masks before any forward), so splitting a batch into micro-batches never reweights a position.
+        """
+        supervised = sum(int(mask.sum()) for _, _, mask in batches)
+        if supervised == 0:
+            raise ValueError(f"step {self.step_index + 1}: its {len(batches)} micro-batch(es) have no supervised "
+                             f"positions")
+        self.model.train()
+        total = 0.0
+        for inputs, targets, mask in batches:
+            with self._autocast():
+                logits, _ = self.model(inputs)
+            loss_sum, _ = masked_loss_sum(logits.float(), targets, mask)
+            (loss_sum / supervised).backward()
+            total += loss_sum.item()
+        return total / supervised
+
     def step(self) -> dict[str, Any]:
         """One optimiser step over ``grad_accum`` micro-batches; returns the step's metrics."""
         cfg = self.config
@@ -260,16 +316,9 @@ class Run:
         clip = cfg.optim.qk_clip
         for layer in self._mla_layers():
             layer.record_max_logits, layer.max_logits = clip is not None, None
-        self.model.train()
-        total, tokens = 0.0, 0
-        for _ in range(cfg.grad_accum):
-            inputs, targets, mask = next(self.train_loader)
-            with self._autocast():
-                logits, _ = self.model(inputs)
-            loss = masked_mean_loss(logits.float(), targets, mask)
-            (loss / cfg.grad_accum).backward()
-            total += loss.item() / cfg.grad_accum
-            tokens += inputs.numel()
+        batches = [next(self.train_loader) for _ in range(cfg.grad_accum)]
+        loss = self._accumulate(batches)
+        tokens = sum(inputs.numel() for inputs, _, _ in batches)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.clip_grad))
         lr = self.optimizers[0].param_groups[0]["lr"]
         for opt in self.optimizers:
@@ -277,7 +326,7 @@ class Run:
             opt.zero_grad(set_to_none=True)
         for sched in self.schedulers:
             sched.step()
-        record: dict[str, Any] = {"step": self.step_index + 1, "loss": total, "lr": lr, "grad_norm": grad_norm,
+        record: dict[str, Any] = {"step": self.step_index + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                                   "seq_len": length, "tokens": tokens}
         if self.balancer is not None:
             self.balancer.update()

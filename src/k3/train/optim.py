@@ -3,10 +3,13 @@
 * `Muon`: Nesterov momentum, then quintic Newton–Schulz orthogonalisation of each matrix (stacked 3-D
   parameters are a batch of matrices), Moonlight's RMS matching ``0.2·√max(rows, cols)`` and decoupled
   weight decay. With ``num_heads`` set (Per-Head Muon, K3) the update is split into head blocks along the
-  output rows, each block orthogonalised and scaled on its own, and merged back.
-* `build_optimizers` routes attention Q/K/V projections to Per-Head Muon, the other hidden matrices to
-  Muon, and embeddings, LM head, 1-D parameters, the KDA ShortConv and the router to AdamW.
-* `qk_clip_mla`: Kimi K2's QK-clip for MLA heads whose max pre-softmax logit exceeded τ.
+  output rows, each block orthogonalised and scaled on its own, and merged back; ``head_split`` further
+  cuts each head's rows into parts that are separate projections (MLA's ``[W_uk_h ; W_uv_h]``).
+* `build_optimizers` routes attention Q/K/V projections to Per-Head Muon (MLA: each head's query, key
+  and value blocks separately), the other hidden matrices — router included — to Muon, and embeddings,
+  LM head, 1-D parameters and the KDA ShortConv to AdamW.
+* `qk_clip_mla`: Kimi K2's QK-clip for MLA heads whose max pre-softmax logit exceeded τ (on by default,
+  τ = 100).
 * `lr_lambda` / `schedulers`: 1% linear warmup, cosine decay to a floor.
 """
 
@@ -24,7 +27,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from k3.config import K3Config
 from k3.model.sequence.kda import KDALayer
 from k3.model.sequence.mla import GatedMLA
-from k3.model.width import Experts
+from k3.model.width import Experts, Router
 
 __all__ = [
     "NS_COEFFICIENTS",
@@ -81,27 +84,39 @@ def merge_heads(blocks: Tensor) -> Tensor:
     return blocks.flatten(-3, -2)
 
 
-def _orthogonal_update(direction: Tensor, num_heads: int | None, steps: int) -> Tensor:
-    """NS-orthogonalised ``direction`` (per head block if ``num_heads``), each scaled by 0.2·√max(rows, cols)."""
-    blocks = direction if num_heads is None else split_heads(direction, num_heads)
-    rows, cols = blocks.shape[-2:]
-    update = newton_schulz(blocks.to(torch.promote_types(blocks.dtype, torch.float32)), steps)
-    update = update * (RMS_MATCH * math.sqrt(max(rows, cols)))
-    return update if num_heads is None else merge_heads(update)
+def _scaled_orthogonal(block: Tensor, steps: int) -> Tensor:
+    """``0.2·√max(rows, cols)·NS(block)`` for ``[..., rows, cols]``, in at least fp32."""
+    rows, cols = block.shape[-2:]
+    update = newton_schulz(block.to(torch.promote_types(block.dtype, torch.float32)), steps)
+    return update * (RMS_MATCH * math.sqrt(max(rows, cols)))
+
+
+def _orthogonal_update(direction: Tensor, num_heads: int | None, head_split: tuple[int, ...] | None,
+                       steps: int) -> Tensor:
+    """`_scaled_orthogonal` of the whole matrix, or of each head block (``num_heads``) — or of each of a
+    head's ``head_split`` row parts — merged back into ``direction``'s layout."""
+    if num_heads is None:
+        return _scaled_orthogonal(direction, steps)
+    heads = split_heads(direction, num_heads)
+    parts = (heads,) if head_split is None else heads.split(list(head_split), dim=-2)
+    return merge_heads(torch.cat([_scaled_orthogonal(part, steps) for part in parts], dim=-2))
 
 
 class Muon(torch.optim.Optimizer):
     """Muon / Per-Head Muon for 2-D and stacked 3-D parameters (SPEC §7, §9 "Muon").
 
     Per step and parameter: ``buf ← μ·buf + g``; Nesterov direction ``g + μ·buf``; orthogonalise it
-    (whole matrices, or head blocks of ``num_heads`` along the output rows); ``p ← p·(1 − lr·wd)``;
-    ``p ← p − lr·0.2·√max(rows, cols)·NS(direction)``. A stacked ``[E, m, n]`` parameter is E matrices.
-    The momentum buffer lives in the standard optimizer state (saved by `state_dict`).
+    (whole matrices, or head blocks of ``num_heads`` along the output rows, each head's rows optionally cut
+    into ``head_split`` parts); ``p ← p·(1 − lr·wd)``; ``p ← p − lr·0.2·√max(rows, cols)·NS(direction)``
+    with each block's own rows and cols. A stacked ``[E, m, n]`` parameter is E matrices. The momentum
+    buffer lives in the standard optimizer state (saved by `state_dict`).
     """
 
     def __init__(self, params: Iterable[Tensor] | Iterable[dict], lr: float, momentum: float = 0.95,
-                 weight_decay: float = 0.1, ns_steps: int = 5, num_heads: int | None = None) -> None:
-        defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, ns_steps=ns_steps, num_heads=num_heads)
+                 weight_decay: float = 0.1, ns_steps: int = 5, num_heads: int | None = None,
+                 head_split: tuple[int, ...] | None = None) -> None:
+        defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, ns_steps=ns_steps, num_heads=num_heads,
+                        head_split=head_split)
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict) -> None:
@@ -122,14 +137,19 @@ class Muon(torch.optim.Optimizer):
             raise ValueError(f"Muon: weight_decay must be >= 0, got {group['weight_decay']!r}")
         if not (isinstance(group["ns_steps"], int) and group["ns_steps"] >= 1):
             raise ValueError(f"Muon: ns_steps must be a positive integer, got {group['ns_steps']!r}")
-        heads = group["num_heads"]
+        heads, split = group["num_heads"], group["head_split"]
         if heads is not None and not (isinstance(heads, int) and heads >= 1):
             raise ValueError(f"Muon: num_heads must be a positive integer or None, got {heads!r}")
+        if split is not None and not (heads is not None and isinstance(split, tuple | list) and split
+                                      and all(isinstance(n, int) and n >= 1 for n in split)):
+            raise ValueError(f"Muon: head_split must be None or positive row counts with num_heads set, got {split!r}")
         for p in group["params"]:
             if p.dim() not in (2, 3):
                 raise ValueError(f"Muon: parameters must be 2-D or stacked 3-D, got shape {list(p.shape)}")
             if heads is not None and p.shape[-2] % heads:
                 raise ValueError(f"Muon: {p.shape[-2]} output rows do not split into num_heads={heads} heads")
+            if split is not None and p.shape[-2] != heads * sum(split):
+                raise ValueError(f"Muon: {p.shape[-2]} output rows are not num_heads={heads} × head_split={split}")
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Tensor] | None = None) -> Tensor | None:
@@ -147,7 +167,8 @@ class Muon(torch.optim.Optimizer):
                     state["momentum_buffer"] = torch.zeros_like(p)
                 buf = state["momentum_buffer"]
                 buf.mul_(mu).add_(p.grad)
-                update = _orthogonal_update(p.grad.add(buf, alpha=mu), group["num_heads"], group["ns_steps"])
+                update = _orthogonal_update(p.grad.add(buf, alpha=mu), group["num_heads"], group["head_split"],
+                                            group["ns_steps"])
                 p.mul_(1 - lr * group["weight_decay"])
                 p.add_(update.to(p.dtype), alpha=-lr)
         return loss
@@ -181,7 +202,13 @@ def qk_clip_mla(attn: GatedMLA, max_logits: Tensor, threshold: float) -> Tensor:
 
 @dataclass
 class OptimConfig:
-    """Optimiser hyper-parameters (SPEC §7). ``optimizer="adamw"`` and ``per_head=False`` are ablations."""
+    """Optimiser hyper-parameters (SPEC §7). ``optimizer="adamw"`` and ``per_head=False`` are ablations.
+
+    ``qk_clip`` is τ of Kimi K2's QK-clip (`qk_clip_mla` after every step), part of K3's recipe ("K3 also
+    keeps K2's weight clipping", paper §3.3–3.4 in seeds/001, which adds that the clipping threshold is not
+    specified). τ = 100 is Kimi K2's (K2 report, MuonClip). ``0`` or ``None`` turns the clip off (stored as
+    None).
+    """
 
     lr: float = 3e-3  # Muon
     adam_lr: float = 3e-3
@@ -191,7 +218,7 @@ class OptimConfig:
     eps: float = 1e-8
     warmup_frac: float = 0.01
     min_lr_ratio: float = 0.1
-    qk_clip: float | None = None  # τ for `qk_clip_mla`; off by default at tiny scale
+    qk_clip: float | None = 100.0  # τ for `qk_clip_mla`; 0 or None: off
     optimizer: str = "muon"  # "muon" or "adamw" (everything AdamW)
     per_head: bool = True  # False: plain Muon on Q/K/V too
 
@@ -205,30 +232,54 @@ class OptimConfig:
             raise ValueError(f"warmup_frac: expected [0, 1), got {self.warmup_frac!r}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"min_lr_ratio: expected [0, 1], got {self.min_lr_ratio!r}")
-        if self.qk_clip is not None and not self.qk_clip > 0:
-            raise ValueError(f"qk_clip: expected > 0 or None, got {self.qk_clip!r}")
+        if self.qk_clip is not None and not (isinstance(self.qk_clip, float | int) and self.qk_clip >= 0):
+            raise ValueError(f"qk_clip: expected τ > 0, or 0 / None for off, got {self.qk_clip!r}")
+        if self.qk_clip == 0:
+            self.qk_clip = None
 
 
-def _per_head_weights(model: nn.Module, config: K3Config) -> dict[int, tuple[str, int]]:
-    """id(weight) → (group name, num_heads) for the attention projections Per-Head Muon splits."""
-    per_head: dict[int, tuple[str, int]] = {}
+Layout = tuple[str, int | None, tuple[int, ...] | None]  # (Muon group name, num_heads, head_split)
+MUON_GROUPS = ("muon", "muon_kda_heads", "muon_mla_q_heads", "muon_mla_kv_heads", "muon_experts_gate_up")
+
+
+def _per_head_weights(model: nn.Module, config: K3Config) -> dict[int, Layout]:
+    """id(weight) → layout for the attention projections Per-Head Muon splits (SPEC §7).
+
+    KDA ``q/k/v_proj``: H blocks. MLA query (``q_proj`` or ``q_b_proj``): H blocks, head h's query
+    ``[W_qc_h ; W_qs_h]``. MLA ``kv_b_proj``: 2H blocks — each head's key part ``W_uk_h`` and value part
+    ``W_uv_h`` separately (they are the head's K and V projections, packed in one Linear only for storage).
+    Not split: ``q_a_proj`` (the query latent) and ``kv_a_proj`` (``[W_dkv | W_ks]``: the KV latent and the
+    shared key) serve all heads alike and have no head structure — plain Muon, one matrix each, as stored
+    in the release (``kv_a_proj_with_mqa``).
+    """
+    kda, mla = config.kda, config.mla
+    per_head: dict[int, Layout] = {}
     for module in model.modules():
         if isinstance(module, KDALayer):
             for proj in (module.q_proj, module.k_proj, module.v_proj):
-                per_head[id(proj.weight)] = ("muon_kda_heads", config.kda.num_heads)
+                per_head[id(proj.weight)] = ("muon_kda_heads", kda.num_heads, None)
         elif isinstance(module, GatedMLA):
             query = module.q_proj if module.q_lora_rank is None else module.q_b_proj
-            for proj in (query, module.kv_b_proj):
-                per_head[id(proj.weight)] = ("muon_mla_heads", config.mla.num_heads)
+            per_head[id(query.weight)] = ("muon_mla_q_heads", mla.num_heads, None)
+            per_head[id(module.kv_b_proj.weight)] = ("muon_mla_kv_heads", mla.num_heads,
+                                                     (mla.qk_nope_head_dim, mla.v_head_dim))
     return per_head
 
 
+def _packed_weights(model: nn.Module) -> dict[int, Layout]:
+    """id(weight) → layout for parameters that pack separate matrices: the routed experts' ``gate_up``
+    ``[E, 2F, W]`` is ``W_gate`` and ``W_up``, orthogonalised apart like the dense FFN's and shared
+    experts' separate ``gate_proj`` / ``up_proj``."""
+    return {id(m.gate_up): ("muon_experts_gate_up", 1, (m.hidden, m.hidden))
+            for m in model.modules() if isinstance(m, Experts)}
+
+
 def _muon_weights(model: nn.Module) -> set[int]:
-    """ids of the matrices Muon may take: Linear weights and stacked expert tensors, minus LM heads."""
+    """ids of the matrices Muon may take: Linear weights, router weights and stacked expert tensors, minus LM heads."""
     heads = {id(m.lm_head.weight) for m in model.modules() if isinstance(getattr(m, "lm_head", None), nn.Linear)}
     ids = set()
     for module in model.modules():
-        if isinstance(module, nn.Linear):
+        if isinstance(module, nn.Linear | Router):
             ids.add(id(module.weight))
         elif isinstance(module, Experts):
             ids.update((id(module.gate_up), id(module.down)))
@@ -240,23 +291,25 @@ def build_optimizers(model: nn.Module, config: K3Config, optim: OptimConfig) -> 
 
     Every trainable parameter lands in exactly one named group (``group["name"]``):
 
-    * ``muon_kda_heads`` / ``muon_mla_heads`` (Per-Head Muon): KDA ``q_proj/k_proj/v_proj``; MLA
-      ``q_proj`` or ``q_b_proj`` (per head ``[content ; shared-key]`` rows) and ``kv_b_proj``
-      (per head ``[W_uk ; W_uv]`` rows). With ``per_head=False`` they join ``muon``.
-    * ``muon``: every other Linear weight and the stacked routed-expert tensors.
-    * ``adamw_decay``: remaining ≥2-D parameters — embeddings, LM head, KDA ShortConv, router (fp32).
+    * Per-Head Muon (`_per_head_weights`): ``muon_kda_heads`` (KDA ``q/k/v_proj``, H blocks),
+      ``muon_mla_q_heads`` (MLA ``q_proj`` or ``q_b_proj``, H blocks) and ``muon_mla_kv_heads`` (MLA
+      ``kv_b_proj``, H key blocks and H value blocks). With ``per_head=False`` they join ``muon``.
+    * ``muon_experts_gate_up``: the routed experts' packed ``[W_gate ; W_up]``, two matrices per expert.
+    * ``muon``: every other Linear weight, the router weight (a hidden ``[E, d]`` matrix; the paper keeps
+      AdamW for embeddings, head and gains only) and the routed experts' ``down``.
+    * ``adamw_decay``: remaining ≥2-D parameters — embeddings, LM head, KDA ShortConv.
     * ``adamw_no_decay``: 1-D parameters — norm gains, ``A_log``, ``dt_bias``, AttnRes pseudo-queries.
     """
     muon = optim.optimizer == "muon"
-    per_head = _per_head_weights(model, config) if muon and optim.per_head else {}
+    layouts = {**_packed_weights(model), **(_per_head_weights(model, config) if optim.per_head else {})} if muon else {}
     muon_ids = _muon_weights(model) if muon else set()
-    heads: dict[str, int | None] = {"muon": None, **dict(per_head.values())}
+    splits: dict[str, Layout] = {"muon": ("muon", None, None), **{lay[0]: lay for lay in layouts.values()}}
     groups: dict[str, list[nn.Parameter]] = {}
     for p in model.parameters():
         if not p.requires_grad:
             continue
-        if id(p) in per_head:
-            name = per_head[id(p)][0]
+        if id(p) in layouts:
+            name = layouts[id(p)][0]
         elif id(p) in muon_ids:
             name = "muon"
         else:
@@ -264,8 +317,8 @@ def build_optimizers(model: nn.Module, config: K3Config, optim: OptimConfig) -> 
         groups.setdefault(name, []).append(p)
 
     optimizers: list[torch.optim.Optimizer] = []
-    muon_groups = [dict(name=n, params=groups[n], num_heads=heads[n])
-                   for n in ("muon", "muon_kda_heads", "muon_mla_heads") if n in groups]
+    muon_groups = [dict(name=name, params=groups[name], num_heads=splits[name][1], head_split=splits[name][2])
+                   for name in MUON_GROUPS if name in groups]
     if muon_groups:
         optimizers.append(Muon(muon_groups, lr=optim.lr, momentum=optim.momentum, weight_decay=optim.weight_decay))
     adam_groups = [dict(name=n, params=groups[n], weight_decay=wd)

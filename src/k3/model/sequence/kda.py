@@ -14,6 +14,10 @@ from k3.model.norm import RMSNorm
 from k3.ops import kda
 
 
+# `KDALayer._init_bounded_gate`: the bounded gate's initial σ(logit) is drawn from U[ε, 1 − ε].
+BOUNDED_INIT_EPS = 1e-3
+
+
 def _at_least_fp32(x: Tensor) -> Tensor:
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
@@ -89,15 +93,41 @@ class KDALayer(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """Linear weights ~ N(0, initializer_range); fla's decay init (A = U[1, 16], dt = logU[1e-3, 1e-1])."""
+        """Linear weights ~ N(0, initializer_range); the decay parameters per gate (`_init_bounded_gate`,
+        `_init_softplus_gate`)."""
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 nn.init.normal_(module.weight, std=self.initializer_range)
         nn.init.normal_(self.conv.weight, std=1.0 / math.sqrt(self.conv.weight.shape[1]))
         with torch.no_grad():
-            self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1.0, 16.0).log())
-            dt = torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(1e-1)).exp().clamp_min(1e-4)
-            self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
+            if self.gate == "bounded":
+                self._init_bounded_gate()
+            else:
+                self._init_softplus_gate()
+
+    def _init_bounded_gate(self) -> None:
+        """K3's gate ``g = g_min·σ(e^A·(z + dt_bias))`` (SPEC §1): ``A = 0``, ``dt_bias = logit(u)``,
+        ``u ~ U[ε, 1 − ε]`` (ε = `BOUNDED_INIT_EPS`).
+
+        The paper gives no init. At init the low-rank ``z`` is ≈ 0, so the sigmoid's logit is ``dt_bias``
+        and ``g = g_min·u``: log-retention uniform over the gate's range, i.e. retention ``α = e^g``
+        log-uniform over (e^g_min, 1) — the bounded analogue of fla's log-uniform ``dt`` (memory time
+        constants ``1/|g|`` from 0.2 to 200 tokens at g_min = −5, ε = 1e-3). The logits are centred on 0,
+        the seeds' slider centre (logit 0 → g = g_min/2 = −2.5, α ≈ 0.0821), and every channel keeps a
+        live gradient: ``|∂α/∂logit| = α·|g_min|·u(1 − u) ≥ e^{g_min(1−ε)}·|g_min|·ε(1 − ε)`` ≈ 3.4e-5.
+        ``A = 0`` is the slider's unit log-scale. (fla's softplus init reused here put the logit at
+        −106…−3: most channels had α ≈ 1 and a gradient below 1e-6, so the gate could not learn.)
+        """
+        self.A_log.zero_()
+        u = torch.empty_like(self.dt_bias).uniform_(BOUNDED_INIT_EPS, 1 - BOUNDED_INIT_EPS)
+        self.dt_bias.copy_(torch.logit(u))
+
+    def _init_softplus_gate(self) -> None:
+        """Kimi Linear's gate ``g = −e^A·softplus(z + dt_bias)``: fla's init ``A ~ U[1, 16]``,
+        ``dt_bias = softplus⁻¹(dt)``, ``dt ~ logU[1e-3, 1e-1]``."""
+        self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1.0, 16.0).log())
+        dt = torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(1e-1)).exp().clamp_min(1e-4)
+        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
 
     def new_state(self, batch_size: int, device: torch.device | None = None,
                   dtype: torch.dtype | None = None) -> KDAState:

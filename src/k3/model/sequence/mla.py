@@ -33,6 +33,7 @@ from k3.model.norm import RMSNorm
 __all__ = ["MLACache", "GatedMLA"]
 
 PATHS = ("full", "absorbed")
+RECORD_BLOCK = 512  # query rows per block when recording QK-clip's max logits
 
 
 @dataclass(frozen=True)
@@ -186,12 +187,21 @@ class GatedMLA(nn.Module):
 
     @torch.no_grad()
     def _record_max_logits(self, q: Tensor, k: Tensor, mask: Tensor | None) -> None:
-        """Fold the per-head max of the visible scaled logits ``q·k·scale`` (≥ fp32) into `max_logits`."""
+        """Fold the per-head max of the visible scaled logits ``q·k·scale`` (≥ fp32) into `max_logits`.
+
+        Queries go in blocks of `RECORD_BLOCK`, so the transient scores are ``[B, H, block, L]``, not ``T × L``.
+        """
         dtype = torch.promote_types(q.dtype, torch.float32)
-        scores = (q.to(dtype) @ k.to(dtype).transpose(-1, -2)) * self.scale
-        if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        current = scores.amax(dim=(0, 2, 3))
+        k_t = k.to(dtype).transpose(-1, -2)
+        T = q.shape[2]
+        current = None
+        for start in range(0, T, RECORD_BLOCK):
+            rows = slice(start, min(start + RECORD_BLOCK, T))
+            scores = (q[:, :, rows].to(dtype) @ k_t) * self.scale
+            if mask is not None:
+                scores = scores.masked_fill(~mask[..., rows, :], float("-inf"))
+            block = scores.amax(dim=(0, 2, 3))
+            current = block if current is None else torch.maximum(current, block)
         self.max_logits = current if self.max_logits is None else torch.maximum(self.max_logits, current)
 
     def _attend_absorbed(self, q: Tensor, cache: MLACache, padding: Tensor | None = None) -> Tensor:
