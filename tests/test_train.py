@@ -338,3 +338,18 @@ def test_cli_run_passes_through_the_four_paper_stages(tmp_path, corpus):
     assert all(r["tokens"] == 1024 and math.isfinite(r["loss"]) for r in rows)
     assert ckpt.read_train(ckpt.latest_checkpoint(out))["curriculum"] == [[0.0, 8], [0.5, 64], [0.9, 256],
                                                                            [0.97, 1024]]
+
+
+def test_validation_windows_do_not_depend_on_the_curriculum(tmp_path, corpus):
+    """Validation uses ``eval_seq_len`` windows whatever the curriculum, so runs with different curricula
+    compare: the same initial weights give the same validation loss."""
+    from k3.train.loop import Run
+
+    losses = []
+    for i, curriculum in enumerate(([[0.0, 32]], [[0.0, 64], [0.5, 128]])):
+        run = Run(config(tmp_path / str(i), corpus, curriculum=curriculum, eval_seq_len=128))
+        run.prepare(resume=False)
+        losses.append(run.evaluate())
+    assert losses[0] == losses[1]
+    with pytest.raises(ValueError, match="eval_seq_len"):
+        Run(config(tmp_path / "long", corpus, eval_seq_len=10**6))

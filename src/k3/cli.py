@@ -77,8 +77,9 @@ def _train(args: argparse.Namespace) -> int:
     config = TrainConfig(
         out=args.out, preset=args.preset, steps=args.steps, tokens_per_step=args.tokens_per_step,
         grad_accum=args.grad_accum, curriculum=args.curriculum, bf16=args.bf16, eval_every=args.eval_every,
-        ckpt_every=args.ckpt_every, seed=args.seed, data=args.data or [], balance=args.balance,
-        max_minutes=args.max_minutes, progress=not args.no_progress, optim=optim,
+        ckpt_every=args.ckpt_every, eval_seq_len=args.eval_seq_len, seed=args.seed, data=args.data or [],
+        balance=args.balance, max_minutes=args.max_minutes, progress=not args.no_progress, optim=optim,
+        threads=args.threads,
         data_limit_bytes=None if args.data_limit_mb is None else int(args.data_limit_mb * 2**20),
     )
     run = train(config, resume=args.resume)
@@ -268,7 +269,11 @@ def main(argv: list[str] | None = None) -> int:
     tr.add_argument("--balance", choices=("exact", "histogram", "bias-step", "none"), default="exact")
     tr.add_argument("--bf16", action="store_true", help="bf16 autocast")
     tr.add_argument("--eval-every", type=int, default=50)
+    tr.add_argument("--eval-seq-len", type=_positive(int), default=256,
+                    help="validation window length (the same at every evaluation, whatever the curriculum)")
     tr.add_argument("--ckpt-every", type=int, default=50)
+    tr.add_argument("--threads", type=_positive(int), help="torch threads (default: the cores other processes leave "
+                    "free, re-measured every few seconds)")
     tr.add_argument("--max-minutes", type=float, help="stop after this much wall time (a checkpoint is written)")
     tr.add_argument("--seed", type=int, default=0)
     tr.add_argument("--no-progress", action="store_true")

@@ -36,6 +36,7 @@ from k3.train.data import (
     tokenize_documents,
 )
 from k3.train.optim import OptimConfig, build_optimizers, qk_clip_mla, schedulers
+from k3.train.threads import CoreShare
 from k3.train.tokenizer import Tokenizer
 
 
@@ -79,6 +80,7 @@ class TrainConfig:
     bf16: bool = False
     eval_every: int = 50
     eval_batches: int = 4
+    eval_seq_len: int = 256  # validation windows: one length for the whole run, whatever the curriculum stage
     ckpt_every: int = 50
     log_every: int = 1
     seed: int = 0
@@ -87,6 +89,7 @@ class TrainConfig:
     data_limit_bytes: int | None = None
     balance: str = "exact"  # "exact" | "histogram" (quantile balancing), "bias-step", "none"
     max_minutes: float | None = None  # stop (with a checkpoint) after this much wall time
+    threads: int | None = None  # torch intra-op threads; None: the cores other processes leave free (`CoreShare`)
     progress: bool = True
     optim: OptimConfig = field(default_factory=OptimConfig)
     model: dict[str, Any] | None = None  # a full K3Config dict overriding ``preset`` (recipe ablations)
@@ -116,11 +119,16 @@ class TrainConfig:
 
     def validate(self) -> TrainConfig:
         for name in ("steps", "tokens_per_step", "grad_accum", "eval_every", "ckpt_every", "log_every",
-                     "eval_batches"):
+                     "eval_batches", "eval_seq_len"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"train.{name} = {value!r} is invalid: must be a positive integer")
+        if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
+            raise ValueError(f"train.threads = {self.threads!r} is invalid: a positive integer, or None to adapt")
         self._validate_curriculum()
+        if self.eval_seq_len > self.model_config().context_length:
+            raise ValueError(f"train.eval_seq_len = {self.eval_seq_len} is beyond the model's context_length "
+                             f"{self.model_config().context_length}")
         if self.balance not in ("exact", "histogram", "bias-step", "none"):
             raise ValueError(f"train.balance = {self.balance!r} is invalid: exact / histogram / bias-step / none")
         return self
@@ -342,11 +350,13 @@ class Run:
     @torch.no_grad()
     def evaluate(self, batches: int | None = None) -> float:
         """Validation loss: the mean over the supervised positions of the first ``batches`` batches of
-        the held-out documents at the first curriculum length (the same positions at every evaluation)."""
+        ``eval_seq_len``-token windows of the held-out documents (the same positions at every evaluation,
+        so runs with different curricula compare)."""
         self.model.eval()
-        length = int(self.config.curriculum[0][1])
+        length = self.config.eval_seq_len
         total, count = 0.0, 0
-        for inputs, targets, mask in eval_batches(self.val_tokens, length, self._batch(length),
+        for inputs, targets, mask in eval_batches(self.val_tokens, length,
+                                                  max(1, self.config.tokens_per_step // length),
                                                   self.tokenizer.eos_id, self.tokenizer.pad_id,
                                                   max_batches=batches or self.config.eval_batches):
             with self._autocast():
@@ -366,9 +376,22 @@ class Run:
 
 
 def train(config: TrainConfig, resume: bool = False) -> Run:
-    """Run (or continue) training; checkpoints every ``ckpt_every`` steps and at the end."""
+    """Run (or continue) training; checkpoints every ``ckpt_every`` steps and at the end. Torch's thread
+    count is ``config.threads`` or adapted by `CoreShare` while it runs, and restored afterwards."""
     run = Run(config)
     run.prepare(resume)
+    threads = torch.get_num_threads()
+    try:
+        _train_steps(run, config)
+    finally:
+        torch.set_num_threads(threads)
+    return run
+
+
+def _train_steps(run: Run, config: TrainConfig) -> None:
+    share = CoreShare() if config.threads is None else None
+    if config.threads is not None:
+        torch.set_num_threads(config.threads)
     start_time, start_step = time.time(), run.step_index
     bar = None
     if config.progress:
@@ -380,6 +403,7 @@ def train(config: TrainConfig, resume: bool = False) -> Run:
         t0 = time.time()
         record = run.step()
         record["tokens_per_s"] = record["tokens"] / max(time.time() - t0, 1e-9)
+        record["threads"] = share.update() if share is not None else config.threads
         out_of_time = deadline is not None and time.time() >= deadline
         if run.step_index % config.eval_every == 0 or run.step_index == config.steps or out_of_time:
             record["val_loss"] = run.last_val_loss = run.evaluate()
@@ -389,7 +413,7 @@ def train(config: TrainConfig, resume: bool = False) -> Run:
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}",
-                            seq=record["seq_len"])
+                            seq=record["seq_len"], threads=record["threads"])
         if run.step_index % config.ckpt_every == 0 or run.step_index == config.steps or out_of_time:
             run.save()
         if out_of_time:
@@ -398,7 +422,6 @@ def train(config: TrainConfig, resume: bool = False) -> Run:
         bar.close()
     if run.step_index > start_step:
         plot_metrics(run.metrics_path, run.out / "curves.png")
-    return run
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
