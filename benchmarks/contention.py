@@ -9,10 +9,12 @@ fresh process (the settings are read when the OpenMP runtime loads) and measures
 * decoding: milliseconds per token at batch 1 after a 64-token prompt (median of 30).
 
 Settings: libgomp's default, ``OMP_WAIT_POLICY=PASSIVE`` (sleep at once), ``GOMP_SPINCOUNT`` 10k / 100k,
-and one torch thread. Competitors: none, a pure-Python busy loop (one core), and another process
-training `small` continuously under the same setting (two k3 runs on one machine).
+one torch thread, and ``auto``: `k3.train.threads.CoreShare` (what ``k3 train`` does by default) choosing
+the thread count from the cores the other processes leave free. Competitors: none, a pure-Python busy
+loop (one core), and another process training `small` continuously under the same setting (two k3 runs
+on one machine).
 
-    python benchmarks/contention.py        # ~6 min on 2 cores
+    python benchmarks/contention.py        # ~8 min on 2 cores
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ SETTINGS = {
     "spin-100k": {"GOMP_SPINCOUNT": "100000"},
     "spin-10k": {"GOMP_SPINCOUNT": "10000"},
     "1 thread": {"K3_BENCH_THREADS": "1"},
+    "auto": {"K3_BENCH_AUTO": "1"},  # k3's default for training: `k3.train.threads.CoreShare`
 }
 COMPETITORS = ("none", "busy loop", "k3 training")
 BUSY = "while True: pass"
@@ -68,6 +71,13 @@ def measure(mode: str) -> dict:
         while True:
             train_step()
     train_step()
+    if os.environ.get("K3_BENCH_AUTO"):  # let CoreShare measure the other processes for a few windows
+        from k3.train.threads import CoreShare
+
+        share, start = CoreShare(window_s=1.0), time.perf_counter()
+        while time.perf_counter() - start < 4:
+            train_step()
+            share.update()
     train_s = sorted(train_step() for _ in range(3))[1]
     model.eval()
     with torch.no_grad():
