@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 # Python standard library's source -- the shape and schedule that learned most in five minutes on 2 cores
 # (benchmarks/demo.py) -- then a sample from the checkpoint. Run again, it reuses the finished run.
 demo: $(STAMP)
-	$(BIN)/k3 train --preset mini --out runs/mini --resume --steps 380 --tokens-per-step 4096 \
+	$(BIN)/k3 train --preset mini --out runs/mini --resume --steps 350 --tokens-per-step 4096 \
 		--curriculum 0:256 --eval-every 50 --ckpt-every 50 --max-minutes 5
 	$(BIN)/k3 generate --ckpt runs/mini --prompt "def " --max-tokens 120 --temperature 0.8 --top-p 0.95 --seed 0
 
