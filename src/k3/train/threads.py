@@ -1,9 +1,9 @@
 """Torch's intra-op threads sized to the cores other processes leave free (issue 10, item 8).
 
 PyTorch's CPU operators run on GNU OpenMP, whose idle workers spin before they sleep. Alone, two threads
-make a `small` training step 1.5× faster than one; but when another busy process shares the cores the
-spinning workers take the time the working ones need, and the same step runs 3–4× slower than alone,
-while one thread is unaffected (`benchmarks/contention.py`). The wait policy cannot change once the
+make a `small` training step 1.8× faster than one; but when another busy process shares the cores the
+spinning workers take the time the working ones need, and the same step runs 3.3–4.3× slower than
+alone, while one thread is unaffected (`benchmarks/contention.py`). The wait policy cannot change once the
 runtime is loaded, and ``OMP_WAIT_POLICY=PASSIVE`` costs 1.6× alone, so `CoreShare` adapts the thread
 count instead: from ``/proc/stat`` and this process's own CPU time it measures how many cores *other*
 processes kept busy over the last window (a few seconds of steps) and uses the rest, at least one.
