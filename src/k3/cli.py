@@ -120,13 +120,13 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _engine(args: argparse.Namespace):
+def _engine(args: argparse.Namespace, **options):
     from k3.serve.engine import Engine
     from k3.train.checkpoint import load_model
 
     model, tokenizer = load_model(Path(args.ckpt))
     return Engine(model, tokenizer, max_model_len=args.max_model_len, max_batch=args.max_batch,
-                  prefill_chunk=args.prefill_chunk, max_waiting=getattr(args, "max_queue", 1024))
+                  prefill_chunk=args.prefill_chunk, **options)
 
 
 #: ``k3 serve`` flags of `k3.serve.guard.Limits`: flag, field, type, scale (flag → field), help.
@@ -162,8 +162,8 @@ def _limit_flags(parser: argparse.ArgumentParser) -> None:
     for flag, field, kind, scale, help_ in _LIMIT_FLAGS:
         group.add_argument(flag, type=_positive(kind, zero=field == "request_timeout"),
                            default=kind(getattr(defaults, field) / scale), help=help_)
-    group.add_argument("--max-queue", type=_positive(int), default=1024,
-                       help="most generations waiting for a batch slot (429 with Retry-After beyond)")
+    group.add_argument("--max-queue", type=_positive(int),
+                       help="most generations waiting for a batch slot (default 1024; 429 with Retry-After beyond)")
     group.add_argument("--public-docs", action="store_true", help="serve /docs and /openapi.json without the API key")
 
 
@@ -175,7 +175,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     limits = _limits(args)  # invalid limits are refused before the model is loaded
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) - 1))
-    engine = _engine(args).start()
+    engine = _engine(args, **({"max_waiting": args.max_queue} if args.max_queue else {})).start()
     name = args.model_name or Path(args.ckpt).resolve().name
     server = Server(create_app(engine, name, api_key=args.api_key, default_mode=args.mode, limits=limits),
                     host=args.host, port=args.port)

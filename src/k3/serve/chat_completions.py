@@ -8,6 +8,7 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
+from starlette.concurrency import run_in_threadpool
 
 from k3.serve import chat
 from k3.serve.engine import Output
@@ -29,7 +30,7 @@ class ChatCompletions(Route):
         s.check_choices(body.n)
         tools = None if body.tool_choice == "none" else body.tools
         try:
-            prompt = await s.off_loop(chat.render, body.messages, self.tokenizer, mode, tools)
+            prompt = await run_in_threadpool(chat.render, body.messages, self.tokenizer, mode, tools)
         except ValueError as err:
             raise APIError(400, str(err), param="messages") from err
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens

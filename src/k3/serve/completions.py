@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
+from starlette.concurrency import run_in_threadpool
 
 from k3.serve.engine import Output
 from k3.serve.handler import Reply, Route
@@ -25,7 +26,7 @@ class Completions(Route):
         for text in texts:
             s.check_chars(len(text), "prompt")
         s.check_choices((1 if isinstance(body.prompt, str) or _is_ids(body.prompt) else len(body.prompt)) * body.n)
-        prompts = await s.off_loop(_prompts, body.prompt, self.tokenizer.encode)
+        prompts = await run_in_threadpool(_prompts, body.prompt, self.tokenizer.encode)
         jobs = [(prompt, params, None) for prompt in prompts
                 for params in body.sampling(s.max_tokens(body.max_tokens, len(prompt)), (self.tokenizer.eos_id,),
                                             body.logprobs)]

@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Limits", "Guard"]
+__all__ = ["Limits", "Guard", "error_body"]
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
@@ -54,9 +54,14 @@ class Limits:
                 raise ValueError(f"{name}: expected a positive number of seconds, got {value!r}")
 
 
+def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
+    """OpenAI's error body (the one shape of every error this server answers)."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
 async def _reply(send: Send, status: int, message: str, type_: str, code: str,
                  headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
-    body = json.dumps({"error": {"message": message, "type": type_, "param": None, "code": code}}).encode()
+    body = json.dumps(error_body(message, type_, code=code)).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                             *headers]})

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -27,7 +27,6 @@ from k3.serve.protocol import APIError, parse_body, sse, usage
 __all__ = ["Reply", "Route", "Serving"]
 
 B = TypeVar("B", bound=BaseModel)
-T = TypeVar("T")
 
 
 class Serving:
@@ -47,11 +46,6 @@ class Serving:
                            param="model", code="model_not_found")
         body.unsupported()
         return body
-
-    @staticmethod
-    async def off_loop(fn: Callable[..., T], *args: Any) -> T:
-        """``fn(*args)`` in a worker thread."""
-        return await run_in_threadpool(fn, *args)
 
     def check_chars(self, chars: int, param: str) -> None:
         """Refuse, without tokenizing, text that has more tokens than the context holds (module docstring)."""

@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
 
 from k3.serve.engine import ContextLengthExceeded, SamplingParams
+from k3.serve.guard import error_body
 
 __all__ = ["MESSAGE_SCHEMA", "APIError", "ChatBody", "CompletionBody", "extend_logprobs", "invalid", "parse_body",
            "request_body", "schemas", "sse", "usage"]
@@ -37,7 +38,7 @@ class APIError(Exception):
         self.headers = headers
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return error_body(self.message, self.type, self.param, self.code)
 
 
 def invalid(err: ValueError) -> APIError:

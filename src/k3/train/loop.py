@@ -125,15 +125,16 @@ class TrainConfig:
                 raise ValueError(f"train.{name} = {value!r} is invalid: must be a positive integer")
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
             raise ValueError(f"train.threads = {self.threads!r} is invalid: a positive integer, or None to adapt")
-        self._validate_curriculum()
-        if self.eval_seq_len > self.model_config().context_length:
+        context = self.model_config().context_length
+        self._validate_curriculum(context)
+        if self.eval_seq_len > context:
             raise ValueError(f"train.eval_seq_len = {self.eval_seq_len} is beyond the model's context_length "
-                             f"{self.model_config().context_length}")
+                             f"{context}")
         if self.balance not in ("exact", "histogram", "bias-step", "none"):
             raise ValueError(f"train.balance = {self.balance!r} is invalid: exact / histogram / bias-step / none")
         return self
 
-    def _validate_curriculum(self) -> None:
+    def _validate_curriculum(self, context: int) -> None:
         fractions = [frac for frac, _ in self.curriculum]
         if not fractions or fractions[0] != 0 or fractions != sorted(set(fractions)):
             raise ValueError(f"train.curriculum = {self.curriculum!r} is invalid: must start at fraction 0 and "
@@ -142,7 +143,6 @@ class TrainConfig:
             if not 0 <= frac < 1 or int(length) < 1 or self.tokens_per_step % (int(length) * self.grad_accum):
                 raise ValueError(f"train.curriculum stage {[frac, length]} is invalid: fractions in [0, 1) and "
                                  f"tokens_per_step={self.tokens_per_step} divisible by length·grad_accum")
-        context = self.model_config().context_length
         longest = max(int(length) for _, length in self.curriculum)
         if longest > context:
             raise ValueError(f"train.curriculum (--curriculum) reaches length {longest}, beyond the model's "
