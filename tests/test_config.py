@@ -10,6 +10,7 @@ import pytest
 from torch.overrides import TorchFunctionMode
 
 from k3.audit import audit
+from k3.hf_config import from_hf_dict
 from k3.config import (
     PRESETS,
     PUBLISHED_ACTIVE,
@@ -17,7 +18,6 @@ from k3.config import (
     PUBLISHED_VISION,
     K3Config,
     count_parameters,
-    from_hf_dict,
     preset,
 )
 from peers import transformers_kimi_linear
@@ -100,9 +100,10 @@ BAD = [
     ("mla_layers", 4),
     ("kda.num_heads", 0), ("kda.head_dim", 0), ("kda.value_head_dim", -2), ("kda.conv_size", 0),
     ("kda.decay_rank", 0), ("kda.chunk_size", 0), ("kda.chunk_size", 40), ("kda.gate", "relu"),
-    ("kda.g_min", 0.0), ("kda.output_gate_rank", -1),
+    ("kda.g_min", 0.0), ("kda.output_gate_rank", -1), ("kda.a_log_size", 95),
     ("mla.num_heads", 0), ("mla.q_lora_rank", 0), ("mla.kv_lora_rank", 0), ("mla.qk_nope_head_dim", 0),
     ("mla.qk_shared_head_dim", 0), ("mla.v_head_dim", 0), ("mla.output_gate", 1),
+    ("mla.norm_eps", 0.0), ("attn_res.key_gain", "yes"),
     ("attn_res.block_size", 0), ("attn_res.enabled", None),
     ("situ.gate_cap", 0.0), ("situ.up_cap", -25.0),
     ("moe.num_experts", 0), ("moe.num_experts_per_token", 0), ("moe.num_experts_per_token", 897),
@@ -111,7 +112,8 @@ BAD = [
     ("moe.routed_scaling_factor", 0.0),
     ("mx.block_size", 0), ("mx.weight_format", "int4"), ("mx.activation_format", "mxfp4"),
     ("mx.enabled", "yes"),
-    ("vision.num_layers", 0), ("vision.hidden_size", 961), ("vision.num_heads", 0), ("vision.mlp_hidden", 0),
+    ("vision.num_layers", 0), ("vision.head_dim", 0), ("vision.pos_emb_size", -1), ("vision.num_heads", 0),
+    ("vision.mlp_hidden", 0),
     ("vision.patch_size", 0), ("vision.merge_size", 0), ("vision.in_channels", 0), ("vision.out_dim", 4096),
     ("vision.enabled", 0),
 ]
@@ -121,6 +123,12 @@ BAD = [
 def test_every_impossible_config_is_rejected_naming_the_field(field, value):
     with pytest.raises(ValueError, match=rf"config\.{field} = .* must be"):
         _with(**{field: value}).validate()
+
+
+def test_vision_width_must_split_into_heads_without_an_explicit_head_dim():
+    with pytest.raises(ValueError, match=r"config\.vision\.hidden_size = 961 .* multiple of vision\.num_heads=12"):
+        _with(**{"vision.head_dim": None, "vision.hidden_size": 961}).validate()
+    _with(**{"vision.hidden_size": 961}).validate()  # the release's qkv width is heads x head_dim, not the width
 
 
 @pytest.mark.parametrize("changes, field", [

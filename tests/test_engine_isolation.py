@@ -35,8 +35,9 @@ class Faulty(K3ForCausalLM):
             raise RuntimeError("poisoned input")
         results = super().forward_groups(groups)
         for (ids, _), (logits, _) in zip(groups, results):
+            logits[:, (POISON, TRIGGER, NAN_TRIGGER)] = -1e4  # scripted ids appear only where scripted
             rows = (ids == TRIGGER).any(-1)
-            logits[rows, POISON] += 1e4
+            logits[rows, POISON] = 1e4
             logits[(ids == NAN_TRIGGER).any(-1)] = float("nan")
         return results
 

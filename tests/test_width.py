@@ -58,18 +58,19 @@ def ref_route(router: Router, x: torch.Tensor) -> tuple[list[list[int]], torch.T
 
 
 def ref_moe(m: LatentMoE, x: torch.Tensor) -> torch.Tensor:
-    """shared(x) + α · latent_up(RMSNorm(Σ_route p_j E_j(latent_down x))), token by token."""
+    """shared(x) + latent_up(RMSNorm(α Σ_route p_j E_j(latent_down x))), token by token (α before the latent
+    norm, as the release applies routed_scaling_factor; without a latent: shared(x) + α Σ p_j E_j(x))."""
     routes, s = ref_route(m.router, x)
     out = []
     for t, route in enumerate(routes):
         p = s[t, route] / s[t, route].sum()
         h = x[t] if m.latent_down is None else m.latent_down.weight @ x[t]
-        acc = sum(p[i] * ref_expert(h, m.experts.gate_up[e], m.experts.down[e], m.experts.activation)
-                  for i, e in enumerate(route))
+        acc = m.routed_scaling_factor * sum(p[i] * ref_expert(h, m.experts.gate_up[e], m.experts.down[e],
+                                                               m.experts.activation) for i, e in enumerate(route))
         if m.latent_up is not None:
             normed = acc / torch.sqrt(acc.pow(2).mean() + m.latent_norm.eps) * m.latent_norm.weight
             acc = m.latent_up.weight @ normed
-        y = m.routed_scaling_factor * acc
+        y = acc
         if m.shared is not None:
             y = y + ref_glu(m.shared, x[t])
         out.append(y)
@@ -360,7 +361,7 @@ def test_paper_layer_builds_on_meta_with_the_published_count():
     assert m.experts.gate_up.is_meta and m.experts.gate_up.shape == (896, 2 * 3072, 3584)
     assert m.router.weight.dtype == torch.float32
     assert sum(p.numel() for p in m.parameters()) == moe_layer_parameters(cfg)[0]
-    assert sum(p.numel() for p in dense.parameters()) == 3 * 7168 * 18432
+    assert sum(p.numel() for p in dense.parameters()) == 3 * 7168 * 33792  # the release's width
 
 
 def test_default_init():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from fractions import Fraction
 from typing import Any
 
@@ -10,6 +11,7 @@ from k3.config import (
     PUBLISHED_ACTIVE,
     PUBLISHED_TOTAL,
     PUBLISHED_VISION,
+    RELEASE_DECISIONS,
     K3Config,
     parameter_breakdown,
     preset,
@@ -30,7 +32,9 @@ def audit(config: K3Config) -> dict[str, Any]:
     full, partial = divmod(config.num_layers, config.attn_res.block_size)
     breakdown = parameter_breakdown(config)
     total, active = breakdown["total"]
-    is_paper = config == preset("paper")
+    paper = preset("paper")
+    # the release lists its MLA layers explicitly; the same schedule as the period rule is the same model
+    is_paper = dataclasses.replace(config, mla_layers=None) == paper and config.layer_kinds() == paper.layer_kinds()
     return {
         "layers": config.num_layers,
         "kda_layers": kinds.count("kda"),
@@ -55,6 +59,7 @@ def audit(config: K3Config) -> dict[str, Any]:
         "published": {"total": PUBLISHED_TOTAL, "active": PUBLISHED_ACTIVE, "vision": PUBLISHED_VISION}
         if is_paper else None,
         "assumptions": ASSUMPTIONS if is_paper else {},
+        "release": RELEASE_DECISIONS if is_paper else {},
         "context_length": config.context_length,
     }
 
@@ -100,6 +105,9 @@ def format_audit(a: dict[str, Any], title: str) -> str:
     for name, (total, active) in a["breakdown"].items():
         if name != "total":
             lines.append(f"  {name:<26} {total:>18,} {active:>18,}")
+    if a["release"]:
+        lines += ["", "  from the release (moonshotai/Kimi-K3), where the paper is silent or differs:"]
+        lines += [f"    - {name}: {why}" for name, why in a["release"].items()]
     if a["assumptions"]:
         lines += ["", "  assumed (not published):"]
         lines += [f"    - {name}: {why}" for name, why in a["assumptions"].items()]

@@ -36,6 +36,15 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from k3.plan import format_plan, plan
+
+    config, title = _config(args)
+    result = plan(config, args.context, args.batch)
+    print(json.dumps(result, indent=2) if args.json else format_plan(result, title))
+    return 0
+
+
 def _positive(kind: type, zero: bool = False) -> Callable[[str], int | float]:
     """An argparse type: a positive (or, with ``zero``, non-negative) int or float; errors name the flag."""
     def parse(text: str) -> int | float:
@@ -105,11 +114,25 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
-def _generate(args: argparse.Namespace) -> int:
-    from k3.generation import stream
+def _load(path: str):
+    """(model, tokenizer) of a released Kimi K3 directory (`K3ForCausalLM.from_pretrained`, its tiktoken
+    tokenizer) or of a kimi-k3 checkpoint / run directory."""
+    from k3.model.pretrained import is_release_dir
+
+    if is_release_dir(path):
+        from k3.model.lm import K3ForCausalLM
+        from k3.tokenization.kimi import KimiTokenizer
+
+        return K3ForCausalLM.from_pretrained(path), KimiTokenizer.load(path)
     from k3.train.checkpoint import load_model
 
-    model, tokenizer = load_model(Path(args.ckpt))
+    return load_model(Path(path))
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from k3.generation import stream
+
+    model, tokenizer = _load(args.ckpt)
     prompt = tokenizer.encode(args.prompt) or [tokenizer.bos_id]
     print(args.prompt, end="", flush=True)
     ids: list[int] = []
@@ -122,9 +145,8 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _engine(args: argparse.Namespace, **options):
     from k3.serve.engine import Engine
-    from k3.train.checkpoint import load_model
 
-    model, tokenizer = load_model(Path(args.ckpt))
+    model, tokenizer = _load(args.ckpt)
     return Engine(model, tokenizer, max_model_len=args.max_model_len, max_batch=args.max_batch,
                   prefill_chunk=args.prefill_chunk, **options)
 
@@ -190,13 +212,15 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _chat(args: argparse.Namespace) -> int:
-    from k3.serve.chat import MODES, AssistantParser, render
+    from k3.serve.chat import MODES
     from k3.serve.engine import SamplingParams
+    from k3.serve.formats import chat_format
 
     engine = _engine(args)
     tokenizer = engine.tokenizer
+    fmt = chat_format(tokenizer)
     mode, history = args.mode, []
-    stops = (tokenizer.special_id("end"), tokenizer.eos_id)
+    stops = fmt.stop_ids(tokenizer)
     print(f"k3 chat ({mode} mode). Commands: /reset, /mode thinking|instruct, /quit", flush=True)
     for line in sys.stdin:
         line = line.rstrip("\n")
@@ -215,7 +239,7 @@ def _chat(args: argparse.Namespace) -> int:
                 print(f"({mode} mode)", flush=True)
             continue
         history.append({"role": "user", "content": line})
-        prompt = render(history, tokenizer, mode)
+        prompt = fmt.render(history, tokenizer, mode)
         budget = engine.max_model_len - len(prompt)
         if budget < 1:
             print("(the conversation fills the context; /reset to start over)", flush=True)
@@ -225,7 +249,7 @@ def _chat(args: argparse.Namespace) -> int:
                                 top_p=args.top_p, seed=args.seed, stop_token_ids=stops)
         parts = {"reasoning": "", "content": "", "tools": ""}
         channel = None
-        for output in engine.generate(prompt, params, processor=AssistantParser(tokenizer, mode)):
+        for output in engine.generate(prompt, params, processor=fmt.AssistantParser(tokenizer, mode)):
             for ch, text in output.deltas:
                 if ch != channel:
                     print(f"\n[{ch}] " if channel else f"[{ch}] ", end="")
@@ -247,6 +271,15 @@ def main(argv: list[str] | None = None) -> int:
     source.add_argument("--config", help="a kimi-k3 JSON config or a Hugging Face config.json")
     info.add_argument("--json", action="store_true", help="print the audit as JSON")
     info.set_defaults(run=_info)
+
+    pl = commands.add_parser("plan", help="memory to serve a configuration on one machine (packed, mmap'd experts)")
+    source = pl.add_mutually_exclusive_group()
+    source.add_argument("--preset", choices=PRESETS, default="paper")
+    source.add_argument("--config", help="a kimi-k3 JSON config or a Hugging Face / released config.json")
+    pl.add_argument("--context", type=_positive(int), default=131072, help="tokens per sequence (default 131072)")
+    pl.add_argument("--batch", type=_positive(int), default=1, help="sequences served at once")
+    pl.add_argument("--json", action="store_true")
+    pl.set_defaults(run=_plan)
 
     tr = commands.add_parser("train", help="train a K3 model (Per-Head Muon, quantile balancing, curriculum)")
     tr.add_argument("--preset", choices=PRESETS, default="small")
@@ -286,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     ev.set_defaults(run=_eval)
 
     gen = commands.add_parser("generate", help="continue a prompt with a trained checkpoint")
-    gen.add_argument("--ckpt", required=True)
+    gen.add_argument("--ckpt", required=True, help="a run, checkpoint or released Kimi K3 directory")
     gen.add_argument("--prompt", default="")
     gen.add_argument("--max-tokens", type=int, default=100)
     gen.add_argument("--temperature", type=float, default=0.8)
@@ -297,7 +330,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, help_, run in (("serve", "an OpenAI-compatible HTTP server for a checkpoint", _serve),
                              ("chat", "chat with a checkpoint in the terminal", _chat)):
         sub = commands.add_parser(name, help=help_)
-        sub.add_argument("--ckpt", required=True, help="a run directory or a checkpoint directory")
+        sub.add_argument("--ckpt", required=True, help="a run directory, a checkpoint directory, or a released "
+                         "Kimi K3 directory (config.json with model_type kimi_k3, shards, tiktoken tokenizer)")
         sub.add_argument("--mode", choices=("thinking", "instruct"), default="thinking")
         sub.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
         sub.add_argument("--max-batch", type=int, default=32, help="most requests decoded together")

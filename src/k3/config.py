@@ -23,16 +23,34 @@ PUBLISHED_ACTIVE = 104.2e9
 PUBLISHED_VISION = 401e6
 
 ASSUMPTIONS: dict[str, str] = {
-    "vocab_size = 163,840": "Kimi K2 tokenizer family; the report says only 'about 160K'.",
-    "mla.q_lora_rank = 1,536": "query latent rank of Kimi K2 / DeepSeek-V3 MLA; not published for K3.",
-    "moe.dense_hidden = 18,432": "width of Kimi K2's single dense FFN layer; not published for K3.",
-    "kda.decay_rank = 128": "low-rank decay projection W_f1 W_f2 of rank d_k, as in Kimi Linear.",
-    "moe.shared_hidden = 3,072": "each shared expert is a SiTU-GLU of the routed-expert hidden width, at width d.",
-    "vision: width 960, MLP 3,840": (
-        "12 heads of 80; one divided-attention block (spatial + temporal attention + MLP) gives "
-        "an encoder of 399M against the published ~401M; projector 4x960 -> 3,840 -> d on top."
+    "vision: divided attention, ~401M": (
+        "27 blocks of width 1,024 (12 heads of 128, MLP 4,096) plus pos_emb [64, 64, 1,024] as released; "
+        "how the released blocks split spatial and temporal attention is not published."
     ),
-    "tie_word_embeddings = False": "separate LM head, as in Kimi K2 and Kimi Linear.",
+}
+
+#: Where the released ``moonshotai/Kimi-K3`` (SPEC §10) fixed a value or a semantic question the paper left
+#: open — the published preset follows the release; each entry names its source (``k3 info`` prints them).
+RELEASE_DECISIONS: dict[str, str] = {
+    "moe.dense_hidden = 33,792": "text_config.intermediate_size (our paper-era assumption was Kimi K2's 18,432).",
+    "rms_norm_eps = 1e-5": "text_config.rms_norm_eps; MLA's q_a/kv_a latent norms use 1e-6 (mla.norm_eps), "
+                           "as in the remote modeling_kimi_linear.py and mlx-lm kimi_k3.",
+    "mla.q_lora_rank = 1,536": "text_config.q_lora_rank (was assumed from Kimi K2).",
+    "kda.decay_rank = 128": "f_a_proj [128, d] / f_b_proj [H·d_k, 128]: the decay projection has rank d_k.",
+    "moe.shared_hidden = 3,072 x 2": "shared_experts.{gate,up}_proj [6,144, d]: two experts of 3,072 fused.",
+    "kda.a_log_size = 128": "self_attn.A_log is stored [128]; the model reads its first num_heads entries "
+                            "(remote code; mlx-lm kimi_k3 sanitize keeps A_log[:num_heads]).",
+    "attn_res.key_gain = true": "{self_attention,mlp,output_attn}_res_norm.weight: the AttnRes key RMSNorm has "
+                                "a learnable gain; scores are res_proj · (gain ⊙ rms(v)), softmax in fp32 "
+                                "(mlx-lm kimi_k3 _attn_res_combine). Blocks start where layer % 12 == 0.",
+    "situ caps 4 / 25": "activation_situ_beta = 4 caps the gate (w1, gate_proj: 4·tanh(g/4)·σ(g)), "
+                        "activation_situ_linear_beta = 25 the up branch (w3, up_proj: 25·tanh(u/25)).",
+    "routed_scaling_factor before the latent norm": "router weights are renormalised and scaled before "
+                                                   "routed_expert_norm (mlx-lm kimi_k3 _group_expert_select).",
+    "vision width 1,024": "vision_config.vt_hidden_size (was assumed 960), qkv 1,536 = 12 x 128, MLP 4,096, "
+                          "projector 4,096 -> 7,168 (mm_projector.proj.0 / proj.2, post_norm).",
+    "MXFP4 routed experts": "quantization_config: compressed-tensors mxfp4-pack-quantized, group 32, weights "
+                            "only (w1/w2/w3 weight_packed uint8 [out, in/2] + weight_scale E8M0 [out, in/32]).",
 }
 
 
@@ -47,6 +65,7 @@ class KDAConfig:
     gate: str = "bounded"  # "bounded": g_min·sigmoid(...) (K3); "softplus": -exp(A)·softplus(...) (Kimi Linear)
     g_min: float = -5.0  # log-decay floor of the bounded gate
     decay_rank: int = 128  # rank of the low-rank decay projection W_f1 W_f2 (assumed)
+    a_log_size: int | None = 128  # stored length of A_log; the first num_heads entries are used (release: 128)
     output_gate_rank: int = 0  # 0: full-rank output gate W_g (K3); r > 0: low-rank g_a/g_b (Kimi Linear)
     chunk_size: int = 64  # chunkwise-parallel chunk (multiple of 16)
 
@@ -62,6 +81,7 @@ class MLAConfig:
     qk_shared_head_dim: int = 64  # shared, never-rotated key (peers call it qk_rope_head_dim)
     v_head_dim: int = 128
     output_gate: bool = True  # sigmoid gate per (head, channel); False for Kimi Linear
+    norm_eps: float = 1e-6  # eps of the q_a / kv_a latent RMSNorms (release: 1e-6, the rest of the model 1e-5)
 
     def cache_scalars_per_token(self) -> int:
         """Scalars one MLA layer caches per token: the KV latent plus the shared key."""
@@ -78,6 +98,7 @@ class AttnResConfig:
 
     enabled: bool = True
     block_size: int = 12  # layers per depth block
+    key_gain: bool = True  # learnable gain on the key RMSNorm of every retrieval (release: *_res_norm.weight)
 
 
 @dataclass
@@ -99,20 +120,22 @@ class MoEConfig:
     shared_hidden: int = 3072  # hidden width of each shared expert (assumed = expert_hidden)
     latent_dim: int | None = 3584  # routed experts work at this width; None: at d (plain MoE)
     first_k_dense: int = 1  # the first k layers use a dense FFN
-    dense_hidden: int = 18432  # dense FFN hidden width (assumed, Kimi K2)
+    dense_hidden: int = 33792  # dense FFN hidden width (release: intermediate_size)
     activation: str = "situ"  # "situ" (K3) or "swiglu" (Kimi Linear / K2)
     routed_scaling_factor: float = 1.0  # multiplies the routed mixture (Kimi Linear: 2.446)
 
 
 @dataclass
 class VisionConfig:
-    """MoonViT-V2 encoder and projector (SPEC §6). Widths other than heads/layers/patch are assumed."""
+    """MoonViT-V2 encoder and projector (SPEC §6, §10: the released vision_config)."""
 
     enabled: bool = True
     num_layers: int = 27
-    hidden_size: int = 960
+    hidden_size: int = 1024
     num_heads: int = 12
-    mlp_hidden: int = 3840
+    head_dim: int | None = 128  # None: hidden_size / num_heads (release: qkv_hidden_size 1,536 = 12 x 128)
+    mlp_hidden: int = 4096
+    pos_emb_size: int = 64  # learned position table pos_emb_size x pos_emb_size x hidden (0: none)
     patch_size: int = 14
     in_channels: int = 3
     merge_size: int = 2  # 2x2 spatial merge
@@ -153,7 +176,7 @@ class K3Config:
     mla_period: int = 4  # layer i (1-based) is MLA iff i % mla_period == 0 or i is the last layer
     mla_layers: list[int] | None = None  # explicit 1-based MLA layer indices (overrides the period rule)
     context_length: int = 1_048_576
-    rms_norm_eps: float = 1e-6
+    rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = False
     initializer_range: float = 0.02
     kda: KDAConfig = field(default_factory=KDAConfig)
@@ -193,7 +216,7 @@ class K3Config:
                self.initializer_range, "> 0")
         _flags(self, "tie_word_embeddings")
         _flags(self.mla, "output_gate", prefix="mla")
-        _flags(self.attn_res, "enabled", prefix="attn_res")
+        _flags(self.attn_res, "enabled", "key_gain", prefix="attn_res")
         _flags(self.vision, "enabled", prefix="vision")
         _flags(self.mx, "enabled", prefix="mx")
         if self.mla_layers is not None:
@@ -211,9 +234,12 @@ class K3Config:
         _check(isinstance(k.output_gate_rank, int) and k.output_gate_rank >= 0, "kda.output_gate_rank",
                k.output_gate_rank, ">= 0 (0 = full rank)")
         _check(k.chunk_size % 16 == 0, "kda.chunk_size", k.chunk_size, "a positive multiple of 16")
+        _check(k.a_log_size is None or (isinstance(k.a_log_size, int) and k.a_log_size >= k.num_heads),
+               "kda.a_log_size", k.a_log_size, f">= kda.num_heads={k.num_heads} or null")
 
         m = self.mla
         _positive(m, "num_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_shared_head_dim", "v_head_dim", prefix="mla")
+        _check(_real(m.norm_eps) and m.norm_eps > 0, "mla.norm_eps", m.norm_eps, "> 0")
         _check(m.q_lora_rank is None or (isinstance(m.q_lora_rank, int) and m.q_lora_rank > 0), "mla.q_lora_rank",
                m.q_lora_rank, "> 0 or null")
 
@@ -256,8 +282,13 @@ class K3Config:
         if v.enabled:
             _positive(v, "num_layers", "hidden_size", "num_heads", "mlp_hidden", "patch_size", "in_channels",
                       "merge_size", "out_dim", prefix="vision")
-            _check(v.hidden_size % v.num_heads == 0, "vision.hidden_size", v.hidden_size,
-                   f"a multiple of vision.num_heads={v.num_heads}")
+            if v.head_dim is None:
+                _check(v.hidden_size % v.num_heads == 0, "vision.hidden_size", v.hidden_size,
+                       f"a multiple of vision.num_heads={v.num_heads} (or set vision.head_dim)")
+            else:
+                _positive(v, "head_dim", prefix="vision")
+            _check(isinstance(v.pos_emb_size, int) and v.pos_emb_size >= 0, "vision.pos_emb_size", v.pos_emb_size,
+                   ">= 0")
             _check(v.out_dim == self.hidden_size, "vision.out_dim", v.out_dim,
                    f"equal to hidden_size={self.hidden_size}")
         return self
@@ -313,6 +344,8 @@ class K3Config:
             except json.JSONDecodeError as err:
                 raise ValueError(f"{os.fspath(path)}: not valid JSON ({err})") from err
         if isinstance(data, dict) and "model_type" in data:
+            from k3.hf_config import from_hf_dict
+
             return from_hf_dict(data)
         return cls.from_dict(data)
 
@@ -361,85 +394,6 @@ def _positive(obj: Any, *names: str, prefix: str = "") -> None:
         _check(isinstance(value, int) and not isinstance(value, bool) and value > 0, full, value, "a positive integer")
 
 
-# ---------------------------------------------------------------------- Hugging Face config.json
-def from_hf_dict(hf: dict[str, Any]) -> K3Config:
-    """Map a Hugging Face ``config.json`` (Kimi Linear, Kimi K2 / DeepSeek-V3 field names) to `K3Config`.
-
-    Kimi Linear's ``linear_attn_config`` layer lists are 1-based; ``layer_types`` is 0-based.
-    Peers have no AttnRes, SiTU, gated MLA, latent MoE, vision or MX, so those are switched off.
-    """
-
-    def get(*names: str, default: Any = None) -> Any:
-        for name in names:
-            if name in hf and hf[name] is not None:
-                return hf[name]
-        return default
-
-    n_layers = get("num_hidden_layers", "num_layers")
-    if n_layers is None or "hidden_size" not in hf:
-        raise ValueError("Hugging Face config needs 'hidden_size' and 'num_hidden_layers'")
-    linear = hf.get("linear_attn_config") or {}
-    mla_layers: list[int]
-    if "full_attn_layers" in linear:
-        mla_layers = [int(i) for i in linear["full_attn_layers"]]
-    elif hf.get("layer_types"):
-        mla_layers = [i + 1 for i, t in enumerate(hf["layer_types"]) if t == "full_attention"]
-    elif hf.get("model_type") == "kimi_linear":
-        # transformers' KimiLinearConfig default: 0-based index i > 0 with i % 4 == 0 is full attention.
-        mla_layers = [i + 1 for i in range(n_layers) if i and i % 4 == 0]
-    else:  # all-MLA peers (Kimi K2, DeepSeek-V3)
-        mla_layers = list(range(1, n_layers + 1))
-
-    heads = get("num_attention_heads", default=32)
-    n_experts = get("num_experts", "n_routed_experts", "num_local_experts", default=1)
-    act = get("hidden_act", default="silu")
-    if act not in ("silu", "swish"):
-        raise ValueError(f"Hugging Face config: hidden_act={act!r} is not supported (expected 'silu')")
-    return K3Config(
-        vocab_size=get("vocab_size", default=163840),
-        hidden_size=hf["hidden_size"],
-        num_layers=n_layers,
-        mla_layers=mla_layers,
-        context_length=get("max_position_embeddings", "model_max_length", default=131072),
-        rms_norm_eps=get("rms_norm_eps", default=1e-6),
-        tie_word_embeddings=bool(get("tie_word_embeddings", default=False)),
-        initializer_range=get("initializer_range", default=0.02),
-        kda=KDAConfig(
-            num_heads=linear.get("num_heads", get("linear_num_heads", default=heads)),
-            head_dim=linear.get("head_dim", get("linear_head_dim", default=128)),
-            value_head_dim=linear.get("head_dim", get("linear_head_dim", default=128)),
-            conv_size=linear.get("short_conv_kernel_size", get("linear_conv_kernel_dim", default=4)),
-            gate="softplus",
-            decay_rank=linear.get("head_dim", get("linear_head_dim", default=128)),
-            output_gate_rank=linear.get("head_dim", get("linear_head_dim", default=128)),
-        ),
-        mla=MLAConfig(
-            num_heads=heads,
-            q_lora_rank=get("q_lora_rank"),
-            kv_lora_rank=get("kv_lora_rank", default=512),
-            qk_nope_head_dim=get("qk_nope_head_dim", default=128),
-            qk_shared_head_dim=get("qk_rope_head_dim", default=64),
-            v_head_dim=get("v_head_dim", default=128),
-            output_gate=False,
-        ),
-        attn_res=AttnResConfig(enabled=False),
-        moe=MoEConfig(
-            num_experts=n_experts,
-            num_experts_per_token=get("num_experts_per_token", "num_experts_per_tok", default=1),
-            num_shared_experts=get("num_shared_experts", "n_shared_experts", default=0),
-            expert_hidden=get("moe_intermediate_size", default=1),
-            shared_hidden=get("moe_intermediate_size", default=1),
-            latent_dim=None,
-            first_k_dense=get("first_k_dense_replace", default=1),
-            dense_hidden=get("intermediate_size", default=1),
-            activation="swiglu",
-            routed_scaling_factor=float(get("routed_scaling_factor", default=1.0)),
-        ),
-        vision=VisionConfig(enabled=False, out_dim=hf["hidden_size"]),
-        mx=MXConfig(enabled=False),
-    )
-
-
 # ---------------------------------------------------------------------- presets
 def preset(name: str) -> K3Config:
     """`"paper"` (SPEC §0 exactly), `"tiny"` (unit tests), `"mini"` (`make demo`: 2.3M parameters, the best
@@ -452,13 +406,15 @@ def preset(name: str) -> K3Config:
             hidden_size=64,
             num_layers=4,
             context_length=4096,
-            kda=KDAConfig(num_heads=2, head_dim=16, value_head_dim=16, decay_rank=16, chunk_size=16),
+            kda=KDAConfig(num_heads=2, head_dim=16, value_head_dim=16, decay_rank=16, a_log_size=None,
+                          chunk_size=16),
             mla=MLAConfig(num_heads=2, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
                           qk_shared_head_dim=8, v_head_dim=16),
             attn_res=AttnResConfig(block_size=2),
             moe=MoEConfig(num_experts=4, num_experts_per_token=2, num_shared_experts=1, expert_hidden=64,
                           shared_hidden=64, latent_dim=32, first_k_dense=1, dense_hidden=128),
-            vision=VisionConfig(num_layers=2, hidden_size=32, num_heads=2, mlp_hidden=64, out_dim=64),
+            vision=VisionConfig(num_layers=2, hidden_size=32, num_heads=2, head_dim=None, mlp_hidden=64,
+                                pos_emb_size=8, out_dim=64),
         )
     if name == "small":
         return K3Config(
@@ -466,13 +422,15 @@ def preset(name: str) -> K3Config:
             hidden_size=256,
             num_layers=8,
             context_length=8192,
-            kda=KDAConfig(num_heads=4, head_dim=64, value_head_dim=64, decay_rank=32, chunk_size=64),
+            kda=KDAConfig(num_heads=4, head_dim=64, value_head_dim=64, decay_rank=32, a_log_size=None,
+                          chunk_size=64),
             mla=MLAConfig(num_heads=4, q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=64,
                           qk_shared_head_dim=32, v_head_dim=64),
             attn_res=AttnResConfig(block_size=3),
             moe=MoEConfig(num_experts=16, num_experts_per_token=2, num_shared_experts=1, expert_hidden=128,
                           shared_hidden=128, latent_dim=128, first_k_dense=1, dense_hidden=768),
-            vision=VisionConfig(num_layers=4, hidden_size=128, num_heads=4, mlp_hidden=512, out_dim=256),
+            vision=VisionConfig(num_layers=4, hidden_size=128, num_heads=4, head_dim=None, mlp_hidden=512,
+                                pos_emb_size=16, out_dim=256),
         )
     if name == "mini":  # `make demo`: the most learning in five minutes on 2 cores (benchmarks/demo.py)
         return K3Config(
@@ -480,13 +438,15 @@ def preset(name: str) -> K3Config:
             hidden_size=128,
             num_layers=4,
             context_length=8192,
-            kda=KDAConfig(num_heads=2, head_dim=64, value_head_dim=64, decay_rank=32, chunk_size=64),
+            kda=KDAConfig(num_heads=2, head_dim=64, value_head_dim=64, decay_rank=32, a_log_size=None,
+                          chunk_size=64),
             mla=MLAConfig(num_heads=2, q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=64,
                           qk_shared_head_dim=32, v_head_dim=64),
             attn_res=AttnResConfig(block_size=2),
             moe=MoEConfig(num_experts=8, num_experts_per_token=2, num_shared_experts=1, expert_hidden=128,
                           shared_hidden=128, latent_dim=64, first_k_dense=1, dense_hidden=384),
-            vision=VisionConfig(num_layers=2, hidden_size=64, num_heads=2, mlp_hidden=256, out_dim=128),
+            vision=VisionConfig(num_layers=2, hidden_size=64, num_heads=2, head_dim=None, mlp_hidden=256,
+                                pos_emb_size=16, out_dim=128),
         )
     raise ValueError(f"unknown preset {name!r}; expected one of {PRESETS}")
 
@@ -506,7 +466,8 @@ def kda_layer_parameters(c: K3Config) -> int:
     hk, hv = k.num_heads * k.head_dim, k.num_heads * k.value_head_dim
     proj = d * (2 * hk + hv)  # W_q, W_k, W_v
     conv = k.conv_size * (2 * hk + hv)  # depthwise ShortConv per branch
-    decay = d * k.decay_rank + k.decay_rank * hk + k.num_heads + hk  # W_f1, W_f2, A_log, dt_bias
+    a_log = k.num_heads if k.a_log_size is None else k.a_log_size
+    decay = d * k.decay_rank + k.decay_rank * hk + a_log + hk  # W_f1, W_f2, A_log, dt_bias
     beta = d * k.num_heads  # W_b
     gate = d * hv if k.output_gate_rank == 0 else d * k.output_gate_rank + k.output_gate_rank * hv
     norm = k.value_head_dim  # per-head RMSNorm gain, shared by heads
@@ -542,17 +503,19 @@ def moe_layer_parameters(c: K3Config) -> tuple[int, int]:
 
 
 def vision_parameters(c: K3Config) -> tuple[int, int]:
-    """MoonViT-V2 (SPEC §6), bias-free → (encoder, projector).
+    """MoonViT-V2 (SPEC §6, §10), bias-free → (encoder, projector).
 
-    Encoder: patch embedding, divided-attention blocks (3 RMSNorms, spatial + temporal attention,
-    MLP), final norm. Projector: 2×2 merge → Linear–GELU–Linear → RMSNorm at width d.
+    Encoder: patch embedding and position table, blocks (2 RMSNorms, fused qkv to heads·head_dim, output
+    projection, MLP), final norm. Projector: 2×2 merge → Linear (merged → merged) – GELU – Linear (→ d) →
+    RMSNorm at width d.
     """
     v = c.vision
     if not v.enabled:
         return 0, 0
     h = v.hidden_size
-    patch = v.in_channels * v.patch_size**2 * h
-    block = 3 * h + 2 * 4 * h * h + 2 * h * v.mlp_hidden
+    inner = v.num_heads * (v.head_dim if v.head_dim is not None else h // v.num_heads)
+    patch = v.in_channels * v.patch_size**2 * h + v.pos_emb_size**2 * h
+    block = 2 * h + 4 * h * inner + 2 * h * v.mlp_hidden
     merged = v.merge_size**2 * h
     return patch + v.num_layers * block + h, merged * merged + merged * v.out_dim + v.out_dim
 
@@ -578,8 +541,9 @@ def _breakdown(c: K3Config) -> dict[str, tuple[int, int]]:
     n_dense, n_moe = ffns.count("dense"), ffns.count("moe")
     moe_total, moe_active = moe_layer_parameters(c)
     embed = c.vocab_size * d * (1 if c.tie_word_embeddings else 2)
-    # Per layer two pre-norm gains; with AttnRes also two pseudo-queries, plus one final query.
-    depth = c.num_layers * 2 * d + d + ((2 * c.num_layers + 1) * d if c.attn_res.enabled else 0)
+    # Per layer two pre-norm gains; with AttnRes also two pseudo-queries (and key gains), plus the final ones.
+    per_retrieval = 2 if c.attn_res.key_gain else 1
+    depth = c.num_layers * 2 * d + d + ((2 * c.num_layers + 1) * d * per_retrieval if c.attn_res.enabled else 0)
     parts = {
         "embedding + lm head": (embed, embed),
         "kda layers": (n_kda * kda_layer_parameters(c),) * 2,

@@ -18,10 +18,24 @@ from k3.config import K3Config
 from k3.model.depth import BlockAttnRes, Residual
 from k3.model.memory import check_fits
 from k3.model.norm import RMSNorm
+from k3.model.pretrained import from_pretrained, save_pretrained
 from k3.model.sequence.kda import KDALayer
 from k3.model.sequence.mla import GatedMLA
 from k3.model.state import DecoderState
 from k3.model.width import build_ffn
+
+
+def _attn_res_parameters(config: K3Config) -> tuple[nn.Parameter | None, nn.Parameter | None]:
+    """(pseudo-query, key gain) of one AttnRes retrieval: zeros and ones, or None where the config has none."""
+    d, attn_res = config.hidden_size, config.attn_res
+    query = nn.Parameter(torch.zeros(d)) if attn_res.enabled else None
+    gain = nn.Parameter(torch.ones(d)) if attn_res.enabled and attn_res.key_gain else None
+    return query, gain
+
+
+def _query(query: Tensor | None, gain: Tensor | None) -> Tensor | None:
+    """The effective query of a retrieval: ``query · (gain ⊙ rms(v)) = (query ⊙ gain) · rms(v)`` (SPEC §10)."""
+    return query if gain is None else query * gain
 
 
 class DecoderLayer(nn.Module):
@@ -35,13 +49,18 @@ class DecoderLayer(nn.Module):
         self.ffn = build_ffn(config, index)
         self.mixer_norm = RMSNorm(d, config.rms_norm_eps)
         self.ffn_norm = RMSNorm(d, config.rms_norm_eps)
-        # AttnRes pseudo-queries, zero-initialised: uniform weights over the depth sources at the start.
-        self.mixer_query = nn.Parameter(torch.zeros(d)) if config.attn_res.enabled else None
-        self.ffn_query = nn.Parameter(torch.zeros(d)) if config.attn_res.enabled else None
+        # AttnRes pseudo-queries, zero-initialised: uniform weights over the depth sources at the start; with
+        # `attn_res.key_gain` each retrieval's key RMSNorm also has a learnable gain (the release's *_res_norm).
+        self.mixer_query, self.mixer_key_gain = _attn_res_parameters(config)
+        self.ffn_query, self.ffn_key_gain = _attn_res_parameters(config)
 
     def forward(self, depth: BlockAttnRes | Residual, state, padding: Tensor | None = None):
-        a, state = self.mix(self.mixer_norm(depth.retrieve(self.mixer_query)), state, padding)
+        a, state = self.mix(self.mixer_retrieve(depth), state, padding)
         return self.feed_forward(depth, a), state
+
+    def mixer_retrieve(self, depth: BlockAttnRes | Residual) -> Tensor:
+        """The sequence mixer's normalised input, retrieved over depth."""
+        return self.mixer_norm(depth.retrieve(_query(self.mixer_query, self.mixer_key_gain)))
 
     def mix(self, x: Tensor, state, padding: Tensor | None = None):
         """The sequence mixer alone (KDA or MLA) on normalised input ``x``."""
@@ -49,7 +68,7 @@ class DecoderLayer(nn.Module):
 
     def feed_forward(self, depth: BlockAttnRes | Residual, a: Tensor) -> BlockAttnRes | Residual:
         """Retrieve after the mixer output ``a``, apply the FFN / MoE, commit both outputs."""
-        f = self.ffn(self.ffn_norm(depth.retrieve_after(a, self.ffn_query)))
+        f = self.ffn(self.ffn_norm(depth.retrieve_after(a, _query(self.ffn_query, self.ffn_key_gain))))
         return depth.commit(a, f)
 
 
@@ -63,12 +82,22 @@ class K3ForCausalLM(nn.Module):
         d = config.hidden_size
         self.embed_tokens = nn.Embedding(config.vocab_size, d)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
-        self.final_query = nn.Parameter(torch.zeros(d)) if config.attn_res.enabled else None
+        self.final_query, self.final_key_gain = _attn_res_parameters(config)
         self.norm = RMSNorm(d, config.rms_norm_eps)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(d, config.vocab_size, bias=False)
         nn.init.normal_(self.embed_tokens.weight, std=config.initializer_range)
         if self.lm_head is not None:
             nn.init.normal_(self.lm_head.weight, std=config.initializer_range)
+
+    @classmethod
+    def from_pretrained(cls, directory: str, dtype: torch.dtype = torch.float32, packed: bool = True) -> K3ForCausalLM:
+        """Load a released Kimi K3 directory (config.json + memory-mapped shards; `k3.model.pretrained`). Routed
+        experts stay MXFP4-packed unless ``packed=False``; vision tensors are skipped (``model.release.skipped``)."""
+        return from_pretrained(cls, directory, dtype, packed)
+
+    def save_pretrained(self, directory: str, max_shard_bytes: int = 5 * 2**30) -> list:
+        """Write the release layout (`k3.model.pretrained.save_pretrained`); returns the shard paths."""
+        return save_pretrained(self, directory, max_shard_bytes)
 
     def new_state(self, batch_size: int, device: torch.device | str | None = None,
                   dtype: torch.dtype | None = None) -> DecoderState:
@@ -103,7 +132,7 @@ class K3ForCausalLM(nn.Module):
 
     def _logits(self, depth: BlockAttnRes | Residual, rows: Tensor | None = None) -> Tensor:
         """Final retrieval, norm and LM head (tied or not); ``rows`` picks positions of a flat ``[1, N]`` batch."""
-        h = self.norm(depth.retrieve(self.final_query))
+        h = self.norm(depth.retrieve(_query(self.final_query, self.final_key_gain)))
         if rows is not None:
             h = h[0, rows]
         return h @ self.embed_tokens.weight.T if self.lm_head is None else self.lm_head(h)
@@ -150,7 +179,7 @@ class K3ForCausalLM(nn.Module):
         sizes = [B * T for B, T in shapes]
         layer_states: list[list] = [[] for _ in groups]
         for i, layer in enumerate(self.layers):
-            h = layer.mixer_norm(depth.retrieve(layer.mixer_query))
+            h = layer.mixer_retrieve(depth)
             outputs = []
             for g, (part, (_, state)) in enumerate(zip(h.split(sizes, dim=1), groups)):
                 a, layer_state = layer.mix(part.reshape(*shapes[g], -1), state.layers[i], state.padding)

@@ -146,7 +146,7 @@ class Experts(nn.Module):
         _check_activation(activation)
         self.activation = activation
         self.gate_cap, self.up_cap = situ.gate_cap, situ.up_cap
-        self.hidden, self.std = hidden, std
+        self.num_experts, self.width, self.hidden, self.std = n_experts, width, hidden, std
         self.gate_up = nn.Parameter(torch.empty(n_experts, 2 * hidden, width))
         self.down = nn.Parameter(torch.empty(n_experts, width, hidden))
         self.reset_parameters()
@@ -158,25 +158,23 @@ class Experts(nn.Module):
     def forward(self, x: Tensor, weights: Tensor, indices: Tensor) -> Tensor:
         """x [N, W], weights [N, k], indices [N, k] → Σ_j weights_j · Expert_{indices_j}(x), [N, W] in x.dtype."""
         n_tokens, k = indices.shape
-        n_experts = self.gate_up.shape[0]
-        if n_experts <= n_tokens * k and n_tokens * n_experts <= self.DENSE_LIMIT:
+        if self.num_experts <= n_tokens * k and n_tokens * self.num_experts <= self.DENSE_LIMIT:
             return self._dense(x, weights, indices)
         flat = indices.reshape(-1)
         order = torch.argsort(flat, stable=True)
         token = order // k
-        counts = torch.bincount(flat, minlength=self.gate_up.shape[0]).tolist()
-        outputs = []
-        for e, xs in enumerate(x[token].split(counts)):
-            if xs.shape[0] == 0:
-                continue
-            gate, up = (xs @ self.gate_up[e].T).split(self.hidden, dim=-1)
-            h = _activate(gate, up, self.activation, self.gate_cap, self.up_cap)
-            outputs.append(h @ self.down[e].T)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        outputs = [self.expert(e, xs) for e, xs in enumerate(x[token].split(counts)) if xs.shape[0]]
         acc = torch.promote_types(x.dtype, weights.dtype)
         y = torch.cat(outputs) if outputs else x.new_zeros(0, x.shape[-1])  # outputs is empty iff N = 0
         y = y.to(acc) * weights.reshape(-1)[order, None].to(acc)
         out = torch.zeros(n_tokens, x.shape[-1], dtype=acc, device=x.device)
         return out.index_add_(0, token, y).to(x.dtype)
+
+    def expert(self, e: int, xs: Tensor) -> Tensor:
+        """Expert ``e`` on its tokens ``xs`` ``[n, W]``."""
+        gate, up = (xs @ self.gate_up[e].T).split(self.hidden, dim=-1)
+        return _activate(gate, up, self.activation, self.gate_cap, self.up_cap) @ self.down[e].T
 
     def _dense(self, x: Tensor, weights: Tensor, indices: Tensor) -> Tensor:
         """All experts on all tokens, weighted by the routing weight (0 where not selected)."""
@@ -190,13 +188,12 @@ class Experts(nn.Module):
         return torch.einsum("enw,ne->nw", y, mix).to(x.dtype)
 
     def extra_repr(self) -> str:
-        n, _, width = self.gate_up.shape
-        return f"n_experts={n}, width={width}, hidden={self.hidden}, activation={self.activation}"
+        return f"n_experts={self.num_experts}, width={self.width}, hidden={self.hidden}, activation={self.activation}"
 
 
 class LatentMoE(nn.Module):
-    """Stable LatentMoE (SPEC §4, Eq. 19):
-    ``y = shared(x) + α · latent_up(RMSNorm(Σ_{j∈route} p_j Expert_j(latent_down(x))))``.
+    """Stable LatentMoE (SPEC §4, Eq. 19; §10):
+    ``y = shared(x) + latent_up(RMSNorm(Σ_{j∈route} α p_j Expert_j(latent_down(x))))``.
 
     Routing sees x at width d in ≥ fp32; routed experts work at the latent width ℓ, shared
     experts (one GLU of hidden n_shared·F_shared) at d. With ``moe.latent_dim = None`` (plain MoE,
@@ -243,10 +240,10 @@ class LatentMoE(nn.Module):
         flat = x.reshape(-1, x.shape[-1])
         weights, indices, _ = self.router(flat)
         h = flat if self.latent_down is None else self.latent_down(flat)
-        routed = self.experts(h, weights, indices)
+        # α scales the routing weights, before the latent norm (SPEC §10; equal to α·y without a latent)
+        y = self.experts(h, weights * self.routed_scaling_factor, indices)
         if self.latent_up is not None:
-            routed = self.latent_up(self.latent_norm(routed))
-        y = self.routed_scaling_factor * routed
+            y = self.latent_up(self.latent_norm(y))
         if self.shared is not None:
             y = self.shared(flat) + y
         return y.reshape(x.shape)

@@ -22,7 +22,7 @@ from k3.serve.detok import IncrementalDetokenizer
 from k3.train.tokenizer import NUM_SPECIAL_TOKENS, SPECIAL_TOKENS, Tokenizer
 
 __all__ = ["MODES", "AssistantParser", "format_tool_calls", "normalize", "parse", "parse_tool_calls", "render",
-           "render_text"]
+           "render_text", "stop_ids"]
 
 MODES = ("thinking", "instruct")
 _ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -75,16 +75,25 @@ def _text(content: Any, where: str) -> str:
     return "".join(texts)
 
 
-def _tool_calls(calls: Any, where: str) -> list[dict]:
-    """Validated OpenAI tool_calls with canonically re-serialised arguments."""
+def _checked_calls(calls: Any, where: str, id_required: bool = True) -> list[tuple[int, dict, dict]]:
+    """``(j, call, function)`` of each OpenAI tool call, its shape checked (``ValueError`` naming the field)."""
     if not isinstance(calls, list):
         raise ValueError(f"{where}: expected a list of tool calls")
     out = []
     for j, call in enumerate(calls):
         fn = call.get("function") if isinstance(call, dict) else None
-        if (not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(call.get("id"), str)
-                or call.get("type", "function") != "function"):
+        cid = call.get("id") if isinstance(call, dict) else None
+        if (not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or call.get("type", "function") !=
+                "function" or not (isinstance(cid, str) or (cid is None and not id_required))):
             raise ValueError(f"{where}[{j}]: expected {{'id': str, 'type': 'function', 'function': {{'name': str}}}}")
+        out.append((j, call, fn))
+    return out
+
+
+def _tool_calls(calls: Any, where: str) -> list[dict]:
+    """Validated OpenAI tool_calls with canonically re-serialised arguments."""
+    out = []
+    for j, call, fn in _checked_calls(calls, where):
         args = fn.get("arguments")
         if not isinstance(obj := _loads(args), dict):
             raise ValueError(f"{where}[{j}].function.arguments: expected a JSON object string, got {args!r:.80}")
@@ -92,13 +101,19 @@ def _tool_calls(calls: Any, where: str) -> list[dict]:
     return out
 
 
-def _message(i: int, m: Any, mode: str) -> dict:
+def _role(i: int, m: Any) -> tuple[str, str]:
+    """``(where, role)`` of message ``i``: an object with a known role, else ``ValueError`` naming the field."""
     where = f"messages[{i}]"
     if not isinstance(m, dict):
         raise ValueError(f"{where}: expected an object, got {type(m).__name__}")
     role = m.get("role")
     if role not in _ROLES:
         raise ValueError(f"{where}.role: unknown role {role!r}; expected one of {', '.join(_ROLES)}")
+    return where, role
+
+
+def _message(i: int, m: Any, mode: str) -> dict:
+    where, role = _role(i, m)
     if role != "assistant":
         content = _text(m.get("content"), f"{where}.content")
         out = {"role": "system" if role == "developer" else role, "content": content}
@@ -263,6 +278,11 @@ def parse(ids: Iterable[int], tokenizer: Tokenizer) -> tuple[list[dict], list[di
                     raise ValueError(f"message {k}: the tools channel is not a JSON list of function objects")
                 tools = [{"type": "function", "function": f} for f in fns]
     return _drop_carrier(messages, tools), tools
+
+
+def stop_ids(tokenizer: Tokenizer) -> tuple[int, ...]:
+    """Ids that end an assistant message: ``<|end|>`` and ``<|eos|>``."""
+    return tokenizer.special_id("end"), tokenizer.eos_id
 
 
 class AssistantParser:

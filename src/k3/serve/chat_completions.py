@@ -10,8 +10,8 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from k3.serve import chat
 from k3.serve.engine import Output
+from k3.serve.formats import chat_format
 from k3.serve.handler import Reply, Route
 from k3.serve.jobs import Jobs, error_of
 from k3.serve.protocol import APIError, ChatBody, extend_logprobs, sse
@@ -29,16 +29,16 @@ class ChatCompletions(Route):
         s.check_chars(sum(map(_content_chars, body.messages)), "messages")
         s.check_choices(body.n)
         tools = None if body.tool_choice == "none" else body.tools
+        fmt = chat_format(self.tokenizer)
         try:
-            prompt = await run_in_threadpool(chat.render, body.messages, self.tokenizer, mode, tools)
+            prompt = await run_in_threadpool(fmt.render, body.messages, self.tokenizer, mode, tools)
         except ValueError as err:
             raise APIError(400, str(err), param="messages") from err
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         top = (body.top_logprobs or 0) if body.logprobs else None
-        stop_ids = (self.tokenizer.special_id("end"), self.tokenizer.eos_id)
-        run = s.submit([(prompt, params, chat.AssistantParser(self.tokenizer, mode))
-                        for params in body.sampling(s.max_tokens(requested, len(prompt)), stop_ids, top)])
-        reply = _Reply(s.model_name, body, mode, self.tokenizer.decode, len(prompt))
+        run = s.submit([(prompt, params, fmt.AssistantParser(self.tokenizer, mode)) for params in
+                        body.sampling(s.max_tokens(requested, len(prompt)), fmt.stop_ids(self.tokenizer), top)])
+        reply = _Reply(s.model_name, body, mode, self.tokenizer.decode, len(prompt), fmt.parse_tool_calls)
         if body.stream:
             return StreamingResponse(reply.stream(run), media_type="text/event-stream")
         return await reply.whole(run, request)
@@ -60,10 +60,15 @@ class _Reply(Reply):
     OBJECT, PREFIX = "chat.completion.chunk", "chatcmpl"
 
     def __init__(self, model_name: str, body: ChatBody, mode: str, decode: Callable[[list[int]], str],
-                 prompt_tokens: int) -> None:
+                 prompt_tokens: int, parse_tool_calls: Callable[[str], list[dict] | None]) -> None:
         super().__init__(model_name, body, body.n, prompt_tokens)
-        self.mode, self.decode = mode, decode
+        self.mode, self.decode, self.parse_tool_calls = mode, decode, parse_tool_calls
         self.tool_text = [""] * body.n  # the tools channel per choice, streamed
+
+    def _tool_calls(self, tool_text: str, finish_reason: str | None) -> tuple[list[dict] | None, str | None]:
+        """The tools channel parsed to OpenAI tool calls (finish reason "tool_calls"), or None (kept as content)."""
+        calls = self.parse_tool_calls(tool_text) if tool_text else None
+        return (calls, "tool_calls") if calls else (None, finish_reason)
 
     def logprobs(self, output: Output) -> dict | None:
         if not self.body.logprobs:
@@ -87,7 +92,7 @@ class _Reply(Reply):
             events.append(sse(self.chunk([{"index": index, "delta": {}, "logprobs": self.logprobs(output),
                                            "finish_reason": None}])))
         if output.finish_reason is not None:
-            calls, reason = _tool_calls(self.tool_text[index], output.finish_reason)
+            calls, reason = self._tool_calls(self.tool_text[index], output.finish_reason)
             delta = ({"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]} if calls
                      else {"content": self.tool_text[index]} if self.tool_text[index] else {})
             events.append(sse(self.chunk([{"index": index, "delta": delta, "logprobs": None,
@@ -109,7 +114,7 @@ class _Reply(Reply):
             extend_logprobs(lps[i], self.logprobs(output))
         choices = []
         for i, p in enumerate(parts):
-            calls, reason = _tool_calls(p["tools"], finish[i])
+            calls, reason = self._tool_calls(p["tools"], finish[i])
             message = {"role": "assistant", "content": p["content"] + (p["tools"] if calls is None else ""),
                        "reasoning_content": p["reasoning"] if self.mode == "thinking" else None, "tool_calls": calls}
             choices.append({"index": i, "message": message, "logprobs": lps[i] if self.body.logprobs else None,
@@ -124,9 +129,3 @@ def _logprob(decode: Callable[[list[int]], str], token: int, logprob: float,
         return {"token": text, "logprob": lp, "bytes": list(text.encode())}
 
     return {**entry(token, logprob), "top_logprobs": [entry(t, lp) for t, lp in top]}
-
-
-def _tool_calls(tool_text: str, finish_reason: str | None) -> tuple[list[dict] | None, str | None]:
-    """The tools channel parsed to OpenAI tool calls (finish reason "tool_calls"), or None (kept as content)."""
-    calls = chat.parse_tool_calls(tool_text) if tool_text else None
-    return (calls, "tool_calls") if calls else (None, finish_reason)

@@ -27,12 +27,13 @@ import functools
 
 import json
 import os
-import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as _HFTokenizer
+
+from k3.tokenization.base import Vocabulary, write_atomic
 
 __all__ = [
     "SPECIAL_TOKENS",
@@ -71,7 +72,7 @@ def _special_name(name: str) -> str:
     return f"<|{name}|>"
 
 
-class Tokenizer:
+class Tokenizer(Vocabulary):
     """Byte-level BPE with the chat special tokens at ids ``0 .. NUM_SPECIAL_TOKENS - 1``.
 
     Build one with :meth:`train` or :meth:`load` (or :meth:`from_json`); the constructor wraps an
@@ -167,14 +168,6 @@ class Tokenizer:
     # ----------------------------------------------------------------------------------------
     # properties
     @property
-    def vocab_size(self) -> int:
-        """Number of token ids (special tokens included); ids are ``0 .. vocab_size - 1``."""
-        return self._size
-
-    def __len__(self) -> int:
-        return self._size
-
-    @property
     def pad_id(self) -> int:
         return self._special_ids["<|pad|>"]
 
@@ -185,11 +178,6 @@ class Tokenizer:
     @property
     def eos_id(self) -> int:
         return self._special_ids["<|eos|>"]
-
-    @property
-    def special_ids(self) -> dict[str, int]:
-        """``{literal: id}`` for every special token."""
-        return dict(self._special_ids)
 
     def special_id(self, name: str) -> int:
         """Id of a special token, by literal (``"<|user|>"``) or bare name (``"user"``)."""
@@ -239,20 +227,7 @@ class Tokenizer:
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
         path = d / TOKENIZER_FILE
-        data = self.to_json().encode("utf-8")
-        fd, tmp = tempfile.mkstemp(prefix=f".{TOKENIZER_FILE}.", suffix=".tmp", dir=d)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
-            raise
+        write_atomic(path, self.to_json().encode("utf-8"))
         return path
 
     @classmethod

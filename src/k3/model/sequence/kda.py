@@ -80,7 +80,8 @@ class KDALayer(nn.Module):
         self.conv = ShortConv(2 * hk + hv, c.conv_size)
         self.f_a_proj = nn.Linear(d, c.decay_rank, bias=False)
         self.f_b_proj = nn.Linear(c.decay_rank, hk, bias=False)
-        self.A_log = nn.Parameter(torch.empty(c.num_heads))
+        # The release stores A_log [a_log_size] and reads its first num_heads entries (SPEC §10).
+        self.A_log = nn.Parameter(torch.empty(c.num_heads if c.a_log_size is None else c.a_log_size))
         self.dt_bias = nn.Parameter(torch.empty(hk))
         self.b_proj = nn.Linear(d, c.num_heads, bias=False)
         if c.output_gate_rank:
@@ -143,8 +144,8 @@ class KDALayer(nn.Module):
         """The per-channel log-decay ``g`` ``[B, T, H, d_k]`` (fp32) from the layer input."""
         z = self.f_b_proj(self.f_a_proj(x)).unflatten(-1, (self.num_heads, self.head_dim))
         if self.gate == "bounded":
-            return kda.bounded_decay(z, self.A_log, self.dt_bias, self.g_min)
-        return kda.softplus_decay(z, self.A_log, self.dt_bias)
+            return kda.bounded_decay(z, self.A_log[: self.num_heads], self.dt_bias, self.g_min)
+        return kda.softplus_decay(z, self.A_log[: self.num_heads], self.dt_bias)
 
     def forward(self, x: Tensor, state: KDAState | None) -> tuple[Tensor, KDAState | None]:
         B, T, _ = x.shape

@@ -85,10 +85,10 @@ class GatedMLA(nn.Module):
             self.q_proj = nn.Linear(d, qk, bias=False)
         else:
             self.q_a_proj = nn.Linear(d, m.q_lora_rank, bias=False)
-            self.q_a_norm = RMSNorm(m.q_lora_rank, eps=config.rms_norm_eps)
+            self.q_a_norm = RMSNorm(m.q_lora_rank, eps=m.norm_eps)
             self.q_b_proj = nn.Linear(m.q_lora_rank, qk, bias=False)
         self.kv_a_proj = nn.Linear(d, m.kv_lora_rank + m.qk_shared_head_dim, bias=False)
-        self.kv_a_norm = RMSNorm(m.kv_lora_rank, eps=config.rms_norm_eps)
+        self.kv_a_norm = RMSNorm(m.kv_lora_rank, eps=m.norm_eps)
         self.kv_b_proj = nn.Linear(m.kv_lora_rank, H * (m.qk_nope_head_dim + m.v_head_dim), bias=False)
         self.g_proj = nn.Linear(d, H * m.v_head_dim, bias=False) if m.output_gate else None
         self.o_proj = nn.Linear(H * m.v_head_dim, d, bias=False)

@@ -1,0 +1,1 @@
+"""Tokenizers of released checkpoints (the tiktoken-based Kimi tokenizer)."""
