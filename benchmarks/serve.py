@@ -42,9 +42,9 @@ from model import kimi_linear_pair  # noqa: E402
 
 from k3 import K3ForCausalLM  # noqa: E402
 from k3.config import preset  # noqa: E402
-from k3.train.checkpoint import load_model, save_model  # noqa: E402
+from k3.model.checkpoint import load_model, save_model  # noqa: E402
 from k3.train.data import stdlib_documents  # noqa: E402
-from k3.train.tokenizer import Tokenizer  # noqa: E402
+from k3.tokenization.bpe import Tokenizer  # noqa: E402
 
 VOCAB = 4096
 THROUGHPUT_CHUNK = 256  # prompt tokens per step in the throughput runs (the latency runs sweep it)

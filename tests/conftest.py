@@ -18,3 +18,19 @@ def corpus(tmp_path_factory) -> Path:
     return root
 
 
+
+
+@pytest.fixture(scope="module")
+def model():
+    """The tiny serving model (`serving.model`), shared by a module's engine tests."""
+    import serving
+
+    return serving.model()
+
+
+@pytest.fixture(scope="module")
+def tok():
+    """The serving tests' byte-level BPE tokenizer (`serving.tokenizer`)."""
+    import serving
+
+    return serving.tokenizer()

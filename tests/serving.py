@@ -10,7 +10,7 @@ import torch
 
 from k3 import K3ForCausalLM
 from k3.config import preset
-from k3.train.tokenizer import Tokenizer
+from k3.tokenization.bpe import Tokenizer
 
 VOCAB = 512
 
@@ -53,8 +53,8 @@ class Scripted(K3ForCausalLM):
         self.start, self.script, self.fail_after = start, script, fail_after
         self.eval()
 
-    def forward_groups(self, groups):
-        results = super().forward_groups(groups)
+    def forward_groups(self, groups, full=None):
+        results = super().forward_groups(groups, full)
         for (ids, state), (logits, _) in zip(groups, results):
             generated = state.position + ids.shape[1] - self.start  # tokens generated after this call
             if self.fail_after is not None and generated > self.fail_after:

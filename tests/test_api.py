@@ -176,7 +176,8 @@ def test_over_long_prompt_is_400_context_length_exceeded(client):
     (json.dumps({"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}).encode(), 400, "messages"),
     (json.dumps({"messages": HELLO}).encode(), 400, "model"),
     (json.dumps({"model": "gpt-9", "messages": HELLO}).encode(), 404, "model"),
-    (json.dumps({"model": MODEL, "messages": HELLO, "presence_penalty": 1}).encode(), 400, "presence_penalty"),
+    (json.dumps({"model": MODEL, "messages": HELLO, "presence_penalty": 3}).encode(), 400, "presence_penalty"),
+        (json.dumps({"model": MODEL, "messages": HELLO, "frobnicate": 1}).encode(), 400, "frobnicate"),
     (json.dumps({"model": MODEL, "messages": HELLO, "n": 0}).encode(), 400, "n"),
     (json.dumps({"model": MODEL, "messages": HELLO, "tool_choice": "required"}).encode(), 400, "tool_choice"),
     (json.dumps({"model": MODEL, "messages": [], "max_tokens": 2}).encode(), 400, "messages"),
@@ -264,7 +265,7 @@ def test_tool_calls_and_reasoning_from_generated_channels():
     with server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
         result = client.chat.completions.create(model=MODEL, messages=HELLO, tools=TOOLS, max_tokens=200,
-                                                temperature=0)
+                                                temperature=0, extra_body={"mode": "thinking"})
         choice = result.choices[0]
         assert choice.finish_reason == "tool_calls"
         assert choice.message.reasoning_content == "I should look it up."
@@ -272,7 +273,7 @@ def test_tool_calls_and_reasoning_from_generated_channels():
         (call,) = choice.message.tool_calls
         assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
         chunks = list(client.chat.completions.create(model=MODEL, messages=HELLO, tools=TOOLS, max_tokens=200,
-                                                     temperature=0, stream=True))
+                                                     temperature=0, stream=True, extra_body={"mode": "thinking"}))
         deltas = [c.choices[0].delta for c in chunks]
         assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == "I should look it up."
         assert "".join(d.content or "" for d in deltas) == "Checking."

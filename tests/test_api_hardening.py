@@ -131,15 +131,18 @@ def test_authentication_comes_before_parsing_and_covers_the_docs(engine, server)
         assert headers.get("www-authenticate") == "Bearer"
     huge = b"x" * (LIMITS.max_body_bytes + 1)
     assert call(server.url, "POST", "/v1/completions", huge, key="wrong")[0] == 401
-    for path in ("/docs", "/openapi.json", "/redoc", "/v1/models"):
+    for path in ("/docs", "/docs/swagger-ui.css", "/openapi.json", "/v1/models"):
         assert call(server.url, "GET", path, key=None)[0] == 401
         assert call(server.url, "GET", path)[0] == 200
-    assert call(server.url, "GET", "/health", key=None)[0] == 200
+    for path in ("/health", "/", "/static/chat.js"):  # the chat page sends the key its user types
+        assert call(server.url, "GET", path, key=None)[0] == 200
+    assert call(server.url, "GET", "/static/../v1/models", key=None)[0] == 404
     for scheme in ("bearer", "BEARER", "Bearer"):
         assert call(server.url, "POST", "/v1/completions", completion(), key=None,
                     headers={"authorization": f"{scheme} {KEY}"})[0] == 200
     with BackgroundServer(create_app(engine, MODEL, api_key=KEY, limits=Limits(public_docs=True))) as public:
-        assert call(public.url, "GET", "/openapi.json", key=None)[0] == 200
+        for path in ("/openapi.json", "/docs", "/docs/swagger-ui-bundle.js"):
+            assert call(public.url, "GET", path, key=None)[0] == 200
         assert call(public.url, "GET", "/v1/models", key=None)[0] == 401
 
 

@@ -19,7 +19,7 @@ from k3.serve.chat import (
     render,
     render_text,
 )
-from k3.train.tokenizer import NUM_SPECIAL_TOKENS, SPECIAL_TOKENS, Tokenizer
+from k3.tokenization.bpe import NUM_SPECIAL_TOKENS, SPECIAL_TOKENS, Tokenizer
 
 S = {tok[2:-2]: i for i, tok in enumerate(SPECIAL_TOKENS)}  # "end" -> 10, ...
 MARKER = {"reasoning": S["think"], "content": S["response"], "tools": S["tools"]}

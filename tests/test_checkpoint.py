@@ -17,9 +17,10 @@ from k3.cli import main
 from k3.config import preset
 from k3.model.lm import K3ForCausalLM
 from k3.train import checkpoint as ckpt
+from k3.model import checkpoint as model_ckpt
 from k3.train import state_codec
 from k3.train.loop import Run, read_metrics, train
-from k3.train.tokenizer import Tokenizer
+from k3.tokenization.bpe import Tokenizer
 from training import config
 
 CLI_TRAIN = ["train", "--preset", "tiny", "--data", "{corpus}", "--tokens-per-step", "512", "--curriculum", "0:32",
@@ -120,7 +121,7 @@ def test_corrupt_bytes_are_detected_at_load(run3, capsys):
     flip_tensor_bytes(c / "model.safetensors")
     assert set(load_file(c / "model.safetensors")) == set(K3ForCausalLM(preset("tiny")).state_dict())
     with pytest.raises(ValueError, match=r"step-0000003/model\.safetensors: checksum mismatch: the file is corrupt"):
-        ckpt.load_model(run3)
+        model_ckpt.load_model(run3)
     assert main(["eval", "--ckpt", str(run3), "--batches", "1"]) == 2
     assert "model.safetensors: checksum mismatch" in capsys.readouterr().err
     flip_tensor_bytes(c / "state.safetensors")
@@ -128,10 +129,10 @@ def test_corrupt_bytes_are_detected_at_load(run3, capsys):
         ckpt.load_state(c)
     (c / "config.json").write_text((c / "config.json").read_text().replace('"vocab_size": 512', '"vocab_size": 513'))
     with pytest.raises(ValueError, match=r"config\.json: checksum mismatch"):
-        ckpt.read_config(c)
+        model_ckpt.read_config(c)
     (c / "tokenizer.json").write_text((c / "tokenizer.json").read_text() + " ")
     with pytest.raises(ValueError, match=r"tokenizer\.json: checksum mismatch"):
-        ckpt.read_tokenizer(c)
+        model_ckpt.read_tokenizer(c)
 
 
 def test_non_finite_weights_are_rejected(run3, tmp_path):
@@ -142,12 +143,12 @@ def test_non_finite_weights_are_rejected(run3, tmp_path):
     save_file(tensors, c / "model.safetensors")
     with pytest.raises(ValueError, match=r"model\.safetensors: tensor 'layers\.1\.ffn_norm\.weight' has "
                                          r"non-finite values"):
-        ckpt.load_model(run3)
+        model_ckpt.load_model(run3)
     model = K3ForCausalLM(preset("tiny"))
     with torch.no_grad():
         model.norm.weight[0] = float("inf")
     with pytest.raises(ValueError, match=r"not saved: weight 'norm\.weight' has non-finite values"):
-        ckpt.save_model(tmp_path / "diverged", model, Tokenizer.load(c))
+        model_ckpt.save_model(tmp_path / "diverged", model, Tokenizer.load(c))
     assert not list(tmp_path.glob("diverged*"))
 
 
@@ -199,7 +200,7 @@ def test_a_partial_config_in_a_checkpoint_names_the_missing_fields(run3, capsys)
     del data["hidden_size"], data["moe"]["num_experts"]
     (c / "config.json").write_text(json.dumps(data))
     with pytest.raises(ValueError, match=r"config\.json: missing fields: hidden_size, moe\.num_experts$"):
-        ckpt.load_model(run3)
+        model_ckpt.load_model(run3)
     assert main(["eval", "--ckpt", str(run3)]) == 2
     assert "config.json: missing fields: hidden_size, moe.num_experts" in capsys.readouterr().err
     partial = config(run3, "unused")
@@ -243,5 +244,5 @@ def test_a_full_disk_during_a_save_is_a_clean_error(small_disk, corpus):
     assert sorted(p.name for p in out.iterdir() if p.name.startswith("step-")) == ["step-0000001"]
     assert not list(out.rglob("*.tmp")) and (out / "latest").read_text() == "step-0000001"
     ckpt.verify_checkpoint(first)
-    ckpt.load_model(out)
+    model_ckpt.load_model(out)
     assert ckpt.load_state(first)["step"] == 1

@@ -28,7 +28,7 @@ from k3.train.data import (
     stdlib_documents,
     tokenize_documents,
 )
-from k3.train.tokenizer import NUM_SPECIAL_TOKENS, Tokenizer
+from k3.tokenization.bpe import NUM_SPECIAL_TOKENS, Tokenizer
 
 EOS = 2
 

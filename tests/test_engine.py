@@ -14,16 +14,6 @@ import serving
 GREEDY = SamplingParams(max_tokens=12, temperature=0)
 
 
-@pytest.fixture(scope="module")
-def model():
-    return serving.model()
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return serving.tokenizer()
-
-
 def run_together(engine: Engine, prompts, params) -> tuple[list[list[int]], list[str | None], int]:
     """Submit all, step until done; returns token ids, finish reasons and the number of steps."""
     tokens: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
@@ -247,7 +237,10 @@ def test_context_limit(model, tok):
 
 
 @pytest.mark.parametrize("params, message", [
-    (SamplingParams(max_tokens=0), "max_tokens: expected a positive integer"),
+    (SamplingParams(max_tokens=-1), "max_tokens: expected a non-negative integer"),
+    (SamplingParams(min_p=1.5), "min_p"), (SamplingParams(repetition_penalty=0), "repetition_penalty"),
+    (SamplingParams(presence_penalty=3), "presence_penalty"), (SamplingParams(logit_bias=((600, 1.0),)), "logit_bias"),
+    (SamplingParams(max_tokens=4, min_tokens=5), "min_tokens"), (SamplingParams(prompt_logprobs=21), "prompt_logprobs"),
     (SamplingParams(max_tokens=True), "max_tokens"),
     (SamplingParams(temperature=-1), "temperature"),
     (SamplingParams(top_p=0), "top_p"),

@@ -30,10 +30,10 @@ class Faulty(K3ForCausalLM):
             self.lm_head.weight.mul_(8.0)
         self.eval()
 
-    def forward_groups(self, groups):
+    def forward_groups(self, groups, full=None):
         if any((ids == POISON).any() for ids, _ in groups):
             raise RuntimeError("poisoned input")
-        results = super().forward_groups(groups)
+        results = super().forward_groups(groups, full)
         for (ids, _), (logits, _) in zip(groups, results):
             logits[:, (POISON, TRIGGER, NAN_TRIGGER)] = -1e4  # scripted ids appear only where scripted
             rows = (ids == TRIGGER).any(-1)
@@ -158,7 +158,7 @@ def test_the_queue_is_bounded_and_atomic():
         engine.add_requests([job] * 5)
     assert info.value.retry_after >= 1 and engine.num_waiting == 0
     with pytest.raises(ValueError, match="max_tokens"):  # one invalid job: none is queued
-        engine.add_requests([job, ([1], SamplingParams(max_tokens=0), None, None)])
+        engine.add_requests([job, ([1], SamplingParams(max_tokens=-1), None, None)])
     assert engine.num_waiting == 0
     ids = engine.add_requests([job] * 4)
     with pytest.raises(QueueFull):

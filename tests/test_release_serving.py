@@ -18,7 +18,6 @@ from k3.model.lm import K3ForCausalLM
 from k3.serve import xtml
 from kimi_fixtures import build_kimi_tokenizer_files
 from release_fixture import write_release
-from test_xtml import EFFORT
 from test_serve_cli import free_port
 
 
@@ -50,9 +49,9 @@ def test_k3_serve_answers_chat_in_the_release_format(release_dir):
         messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello world"}]
         reply = client.chat.completions.create(model="Kimi-K3-reduced", messages=messages, max_tokens=6,
                                                temperature=0)
-        golden = (EFFORT + '<|open|>message role="system"<|sep|>Be brief.<|close|>message<|sep|><|end_of_msg|>'
+        golden = ('<|open|>message role="system"<|sep|>Be brief.<|close|>message<|sep|><|end_of_msg|>'
                   '<|open|>message role="user"<|sep|>hello world<|close|>message<|sep|><|end_of_msg|>'
-                  '<|open|>message role="assistant"<|sep|><|open|>think<|sep|>')
+                  '<|open|>message role="assistant"<|sep|><|open|>response<|sep|>')  # k3 serve's default: instruct
         from k3.tokenization.kimi import KimiTokenizer
 
         tokenizer = KimiTokenizer.load(release_dir)
@@ -67,7 +66,7 @@ def test_k3_serve_answers_chat_in_the_release_format(release_dir):
                 logits, state = model(ids, state=state)
                 generated.append(int(logits[0, -1].argmax()))
                 ids = torch.tensor([[generated[-1]]])
-        parser = xtml.AssistantParser(tokenizer, "thinking")
+        parser = xtml.AssistantParser(tokenizer, "instruct")
         parts = {"reasoning": "", "content": "", "tools": ""}
         for channel, text in [d for t in generated for d in parser.feed(t)] + parser.flush():
             parts[channel] += text

@@ -18,7 +18,7 @@ import pytest
 
 import serving
 from k3.cli import main
-from k3.train.checkpoint import load_model, save_model
+from k3.model.checkpoint import load_model, save_model
 
 
 @pytest.fixture(scope="module")
@@ -157,3 +157,35 @@ def test_invalid_limits_are_refused_naming_the_flag(tmp_path, capsys, flag, valu
     with pytest.raises(SystemExit) as exit_:
         main(["serve", "--ckpt", str(tmp_path), flag, value])
     assert exit_.value.code == 2 and f"argument {flag}" in capsys.readouterr().err
+
+
+SERVE_WITHOUT_TRAINING = """
+import importlib.abc, json, sys, urllib.request
+
+class NoTraining(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "k3.train" or name.startswith("k3.train."):
+            raise ImportError(f"{name} is blocked: serving must not need the training package")
+
+sys.meta_path.insert(0, NoTraining())
+from k3.cli import _load
+from k3.serve.api import BackgroundServer, create_app
+from k3.serve.engine import Engine
+
+model, tokenizer = _load(sys.argv[1])
+engine = Engine(model, tokenizer).start()
+with BackgroundServer(create_app(engine, "m")) as server:
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}).encode()
+    request = urllib.request.Request(server.url + "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    reply = json.loads(urllib.request.urlopen(request, timeout=60).read())
+engine.stop()
+assert reply["usage"]["completion_tokens"] >= 1, reply
+assert not any(m == "k3.train" or m.startswith("k3.train.") for m in sys.modules), sorted(sys.modules)
+print("ok")
+"""
+
+
+def test_serving_runs_without_the_training_package(ckpt):
+    done = subprocess.run([sys.executable, "-c", SERVE_WITHOUT_TRAINING, str(ckpt)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]

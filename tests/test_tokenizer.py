@@ -10,7 +10,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from k3.train.data import stdlib_documents
-from k3.train.tokenizer import MIN_VOCAB_SIZE, NUM_SPECIAL_TOKENS, SPECIAL_TOKENS, TOKENIZER_FILE, Tokenizer
+from k3.tokenization.bpe import MIN_VOCAB_SIZE, NUM_SPECIAL_TOKENS, SPECIAL_TOKENS, TOKENIZER_FILE, Tokenizer
 
 VOCAB = 640
 

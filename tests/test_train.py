@@ -16,6 +16,7 @@ import torch
 
 from k3.cli import main
 from k3.train import checkpoint as ckpt
+from k3.model import checkpoint as model_ckpt
 from k3.train.loop import read_metrics, train
 from training import config
 
@@ -94,7 +95,7 @@ def test_kill_9_during_a_save_leaves_a_loadable_checkpoint(tmp_path, corpus):
     step = int(latest.name.split("-")[1])
     from k3.model.lm import K3ForCausalLM
 
-    ckpt.load_weights(latest, K3ForCausalLM(ckpt.read_config(latest)))
+    model_ckpt.load_weights(latest, K3ForCausalLM(model_ckpt.read_config(latest)))
     assert ckpt.load_state(latest) and ckpt.read_train(latest)["steps"] == 400
     assert main(["train", "--preset", "tiny", "--steps", str(step + 1), "--out", str(out), "--data", str(corpus),
                  "--tokens-per-step", "512", "--curriculum", "0:32", "--eval-every", "1000", "--ckpt-every", "1",

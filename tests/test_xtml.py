@@ -300,3 +300,20 @@ def test_arguments_that_are_json_but_not_an_object_are_refused(tok):
     calls = [{"id": "a", "type": "function", "function": {"name": "f", "arguments": "[1, 2]"}}]
     with pytest.raises(ValueError, match=r"messages\[0\]\.tool_calls\[0\]\.function\.arguments: must be a JSON object"):
         render([{"role": "assistant", "content": "", "tool_calls": calls}], tok)
+
+
+def test_tool_choice_and_response_format_messages(tok):
+    """The release's encoder appends these system messages after the conversation (written out by hand)."""
+    messages = [{"role": "user", "content": "Hi"}]
+    choice = ('<|open|>message role="system" type="tool-choice"<|sep|>The system is invoked with '
+              "`tool_choice=required`.\nYou MUST call tools in the next message.<|close|>message<|sep|><|end_of_msg|>")
+    raw = ("The system is invoked with `response_format=json_schema`.\nYour response must be raw JSON data without "
+           "markdown code blocks (```json) or any additional formatting.\nThe JSON data must match the following "
+           'schema:\n```json\n{"properties":{"a":{"type":"integer"}},"type":"object"}\n```')
+    fmt = f'<|open|>message role="system" type="response-format"<|sep|>{raw}<|close|>message<|sep|><|end_of_msg|>'
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    got = render_text(messages, tok, "instruct", tool_choice="required",
+                      response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    assert got == f"{U}Hi{END}{choice}{fmt}{A}<|open|>response<|sep|>"
+    none = render_text(messages, tok, "instruct", tool_choice="none", response_format={"type": "json_object"})
+    assert "You MUST NOT call any tools in the next message." in none and "`response_format=json_object`" in none

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-__all__ = ["K3ForCausalLM", "K3Config", "preset"]
+from importlib.metadata import PackageNotFoundError, version
+
+__all__ = ["K3ForCausalLM", "K3Config", "__version__", "preset"]
+
+try:
+    __version__ = version("kimi-k3")
+except PackageNotFoundError:  # running from a source tree that was not installed
+    __version__ = "0+unknown"
 
 
 def __getattr__(name: str):

@@ -100,7 +100,8 @@ def _train(args: argparse.Namespace) -> int:
 
 def _eval(args: argparse.Namespace) -> int:
     from k3.train.loop import Run, TrainConfig
-    from k3.train.checkpoint import read_train, resolve
+    from k3.model.checkpoint import resolve
+    from k3.train.checkpoint import read_train
 
     path = resolve(Path(args.ckpt))
     config = TrainConfig.from_dict(read_train(path))
@@ -124,7 +125,7 @@ def _load(path: str):
         from k3.tokenization.kimi import KimiTokenizer
 
         return K3ForCausalLM.from_pretrained(path), KimiTokenizer.load(path)
-    from k3.train.checkpoint import load_model
+    from k3.model.checkpoint import load_model
 
     return load_model(Path(path))
 
@@ -199,8 +200,9 @@ def _serve(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) - 1))
     engine = _engine(args, **({"max_waiting": args.max_queue} if args.max_queue else {})).start()
     name = args.model_name or Path(args.ckpt).resolve().name
-    server = Server(create_app(engine, name, api_key=args.api_key, default_mode=args.mode, limits=limits),
-                    host=args.host, port=args.port)
+    app = create_app(engine, name, api_key=args.api_key, default_mode=args.mode, limits=limits,
+                     separate_reasoning=not args.reasoning_in_content, allowed_origins=args.allowed_origins)
+    server = Server(app, host=args.host, port=args.port)
     print(f"k3 serve: model {name!r} at http://{args.host}:{args.port}/v1 (context {engine.max_model_len} tokens)",
           flush=True)
     try:
@@ -332,7 +334,9 @@ def main(argv: list[str] | None = None) -> int:
         sub = commands.add_parser(name, help=help_)
         sub.add_argument("--ckpt", required=True, help="a run directory, a checkpoint directory, or a released "
                          "Kimi K3 directory (config.json with model_type kimi_k3, shards, tiktoken tokenizer)")
-        sub.add_argument("--mode", choices=("thinking", "instruct"), default="thinking")
+        sub.add_argument("--mode", choices=("thinking", "instruct"),
+                         default="instruct" if name == "serve" else "thinking",
+                         help="the chat mode when a request does not choose one (default: %(default)s)")
         sub.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
         sub.add_argument("--max-batch", type=int, default=32, help="most requests decoded together")
         sub.add_argument("--prefill-chunk", type=int, default=64,
@@ -346,6 +350,11 @@ def main(argv: list[str] | None = None) -> int:
             sub.add_argument("--model-name", help="the served model id (default: the checkpoint directory name)")
             sub.add_argument("--threads", type=int, help="torch intra-op threads (default: all cores but one, which "
                              "is left to the HTTP server)")
+            sub.add_argument("--reasoning-in-content", action="store_true",
+                             help="put the thinking into 'content' as <think>...</think> unless a request asks "
+                                  "'separate_reasoning: true' (default: 'reasoning_content', as vLLM and DeepSeek)")
+            sub.add_argument("--allowed-origins", type=lambda text: [o.strip() for o in text.split(",") if o.strip()],
+                             default=[], help="comma-separated origins allowed by CORS, or '*' (default: none)")
             _limit_flags(sub)
         else:
             sub.add_argument("--max-tokens", type=int, default=256)

@@ -1,7 +1,8 @@
-"""Sampling from a `K3ForCausalLM` with its explicit causal state: greedy, temperature, top-k, top-p."""
+"""Sampling from a `K3ForCausalLM` with its explicit causal state: greedy, temperature, min-p, top-k, top-p."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
 import torch
@@ -11,11 +12,12 @@ from k3.model.lm import K3ForCausalLM
 
 
 def sample_next(logits: Tensor, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-                generator: torch.Generator | None = None) -> Tensor:
-    """Next token ids ``[B]`` from logits ``[B, V]``; ``temperature == 0`` is greedy (argmax)."""
-    if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
-        raise ValueError(f"sampling: need temperature >= 0, 0 < top_p <= 1, top_k >= 0; got "
-                         f"{temperature}, {top_p}, {top_k}")
+                generator: torch.Generator | None = None, min_p: float = 0.0) -> Tensor:
+    """Next token ids ``[B]`` from logits ``[B, V]``; ``temperature == 0`` is greedy (argmax). ``min_p`` drops
+    tokens whose probability (after temperature) is below ``min_p`` times the most likely one's."""
+    if temperature < 0 or not 0 < top_p <= 1 or top_k < 0 or not 0 <= min_p <= 1:
+        raise ValueError(f"sampling: need temperature >= 0, 0 < top_p <= 1, top_k >= 0, 0 <= min_p <= 1; got "
+                         f"{temperature}, {top_p}, {top_k}, {min_p}")
     if temperature == 0:
         return logits.argmax(-1)
     # Scale in fp64 relative to each row's maximum: every value is <= 0 and the maximum is exactly 0, so any
@@ -23,6 +25,8 @@ def sample_next(logits: Tensor, temperature: float = 1.0, top_p: float = 1.0, to
     # becomes greedy, ties shared); dividing fp32 logits by such a temperature would overflow to inf/NaN.
     logits = logits.double()
     logits = (logits - logits.amax(-1, keepdim=True)) / float(temperature)
+    if min_p:  # log p_i - log p_max = logits_i (the maximum is 0)
+        logits = logits.masked_fill(logits < math.log(min_p), float("-inf"))
     if top_k:
         kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -159,13 +159,14 @@ class K3ForCausalLM(nn.Module):
         last_sources = depth.stacked()[:, :, -1].transpose(0, 1)  # [B, S, d]
         return logits, DecoderState(layer_states, last_sources, state.position + T, state.padding)
 
-    def forward_groups(self, groups: list[tuple[Tensor, DecoderState]]) -> list[tuple[Tensor, DecoderState]]:
+    def forward_groups(self, groups: list[tuple[Tensor, DecoderState]],
+                       full: list[bool] | None = None) -> list[tuple[Tensor, DecoderState]]:
         """Continue several batches in one pass (serving: decode rows and a prefill chunk together).
 
         ``groups`` are ``(input_ids [B_g, T_g], state_g)``; returns per group the logits of each row's last
-        position ``[B_g, V]`` and the advanced state — what `forward` gives per group. Token-wise work
-        (embedding, AttnRes, norms, FFN / MoE, head) runs once over all tokens; only the sequence mixers
-        run per group.
+        position ``[B_g, V]`` (with ``full[g]``: of every position, ``[B_g·T_g, V]``, rows first) and the
+        advanced state — what `forward` gives per group. Token-wise work (embedding, AttnRes, norms, FFN / MoE,
+        head) runs once over all tokens; only the sequence mixers run per group.
         """
         if not groups:
             raise ValueError("groups: expected at least one (input_ids, state) pair")
@@ -186,13 +187,17 @@ class K3ForCausalLM(nn.Module):
                 outputs.append(a.reshape(1, -1, a.shape[-1]))
                 layer_states[g].append(layer_state)
             depth = layer.feed_forward(depth, torch.cat(outputs, dim=1))
+        full = full or [False] * len(groups)
         starts = [0, *itertools.accumulate(sizes)][:-1]  # flat index of each group's first token
-        rows = torch.cat([start + T - 1 + T * torch.arange(B) for start, (B, T) in zip(starts, shapes)])  # last tokens
-        logits = self._logits(depth, rows)
-        sources = depth.stacked()[:, 0, rows].transpose(0, 1)  # [rows, S, d]
-        out, offset = [], 0
+        last = [start + T - 1 + T * torch.arange(B) for start, (B, T) in zip(starts, shapes)]  # each row's last token
+        wanted = [torch.arange(start, start + B * T) if f else rows for start, (B, T), f, rows in
+                  zip(starts, shapes, full, last)]
+        logits = self._logits(depth, torch.cat(wanted))
+        sources = depth.stacked()[:, 0, torch.cat(last)].transpose(0, 1)  # [rows, S, d]
+        out, offset, source = [], 0, 0
         for g, ((B, T), (_, state)) in enumerate(zip(shapes, groups)):
-            out.append((logits[offset:offset + B], DecoderState(layer_states[g], sources[offset:offset + B],
+            n = len(wanted[g])
+            out.append((logits[offset:offset + n], DecoderState(layer_states[g], sources[source:source + B],
                                                                 state.position + T, state.padding)))
-            offset += B
+            offset, source = offset + n, source + B
         return out

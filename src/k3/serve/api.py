@@ -1,7 +1,9 @@
 """An OpenAI-compatible HTTP API over the `Engine` (issues 5, 9): a FastAPI app behind its `Guard`.
 
 Routes: ``POST /v1/chat/completions`` (`ChatCompletions`), ``POST /v1/completions`` (`Completions`),
-``GET /v1/models``, ``GET /health``. Streaming uses Server-Sent Events in OpenAI's chunk shapes, ending
+``GET /v1/models`` and ``/v1/models/{id}``, ``POST /tokenize`` / ``/detokenize`` and ``GET /tokenizer_info``
+(vLLM's, `k3.serve.tokenize`), ``GET /version``, ``GET /health``, the chat page ``/`` and ``/docs``
+(`k3.serve.pages`). Streaming uses Server-Sent Events in OpenAI's chunk shapes, ending
 with ``data: [DONE]``. Errors carry OpenAI's body ``{"error": {"message", "type", "param", "code"}}``:
 400 for invalid requests, naming the field (a prompt plus ``max_tokens`` beyond the context length is
 ``context_length_exceeded``), 401 for a missing or wrong bearer token (``--api-key``; checked before the
@@ -13,11 +15,16 @@ requests (the engine frees their state). The limits are `Limits` (README, "Limit
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
+
+from k3 import __version__
 
 from k3.serve import chat
 from k3.serve.chat_completions import ChatCompletions
@@ -26,24 +33,39 @@ from k3.serve.engine import Engine
 from k3.serve.guard import Guard, Limits
 from k3.serve.handler import Serving
 from k3.serve.http import BackgroundServer
+from k3.serve.pages import add_pages
 from k3.serve.protocol import MESSAGE_SCHEMA, APIError, ChatBody, CompletionBody, request_body, schemas
+from k3.serve.tokenize import Detokenize, DetokenizeBody, Tokenize, TokenizeBody, tokenizer_info
 
 __all__ = ["APIError", "BackgroundServer", "Limits", "create_app"]
 
 
-def create_app(engine: Engine, model_name: str, *, api_key: str | None = None, default_mode: str = "thinking",
-               limits: Limits | None = None) -> Guard:
+def create_app(engine: Engine, model_name: str, *, api_key: str | None = None, default_mode: str = "instruct",
+               limits: Limits | None = None, separate_reasoning: bool = True,
+               allowed_origins: Sequence[str] = ()) -> Guard | CORSMiddleware:
     """The API serving ``engine`` as model ``model_name`` (the engine must be `start`-ed): an ASGI app, the
-    FastAPI app (``.app``) wrapped in the `Guard` that enforces ``limits`` and ``api_key``."""
+    FastAPI app (``.app``) wrapped in the `Guard` that enforces ``limits`` and ``api_key``, itself wrapped in
+    CORS handling (whose ``.app`` is the guard) when ``allowed_origins`` is not empty (``"*"``: any origin) —
+    outside the guard, so a browser's preflight ``OPTIONS`` (which carries no credentials) is answered before
+    authentication.
+
+    ``default_mode`` is instruct: the answer is in ``content`` straight away, which is what tools that ignore
+    ``reasoning_content`` read; thinking is one request field away (``mode``, ``chat_template_kwargs.thinking``).
+    ``separate_reasoning=False`` puts thinking into ``content`` as ``<think>…</think>`` by default."""
     if default_mode not in chat.MODES:
         raise ValueError(f"default_mode: expected one of {chat.MODES}, got {default_mode!r}")
     limits = limits or Limits()
-    serving = Serving(engine, model_name, limits, default_mode)
-    app = FastAPI(title="kimi-k3", version="0.1.0")
+    serving = Serving(engine, model_name, limits, default_mode, separate_reasoning)
+    app = FastAPI(title="kimi-k3", version="0.1.0", docs_url=None, redoc_url=None)
     _errors(app)
     _routes(app, serving)
+    add_pages(app)
     _openapi(app, model_name)
-    return Guard(app, limits, api_key)
+    guard = Guard(app, limits, api_key)
+    if not allowed_origins:
+        return guard
+    return CORSMiddleware(guard, allow_origins=list(allowed_origins), allow_methods=["GET", "POST", "OPTIONS"],
+                          allow_headers=["Authorization", "Content-Type"], max_age=600)
 
 
 def _errors(app: FastAPI) -> None:
@@ -82,10 +104,31 @@ def _routes(app: FastAPI, serving: Serving) -> None:
         return {"status": "ok", "running": len(engine.running), "waiting": engine.num_waiting,
                 "finished": dict(engine.finished)}
 
+    app.add_api_route("/tokenize", Tokenize(serving), methods=["POST"], response_model=None,
+                      openapi_extra=request_body(TokenizeBody), summary="Tokenize a prompt or a conversation")
+    app.add_api_route("/detokenize", Detokenize(serving), methods=["POST"], response_model=None,
+                      openapi_extra=request_body(DetokenizeBody), summary="Token ids to text")
+    model = {"id": serving.model_name, "object": "model", "created": serving.created, "owned_by": "kimi-k3",
+             "max_model_len": engine.max_model_len}
+
+    @app.get("/tokenizer_info")
+    async def info() -> dict:
+        return tokenizer_info(serving.tokenizer, engine.max_model_len)
+
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": serving.model_name, "object": "model", "created": serving.created,
-                                            "owned_by": "kimi-k3", "max_model_len": engine.max_model_len}]}
+        return {"object": "list", "data": [model]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model_by_id(model_id: str) -> dict:
+        if model_id != serving.model_name:
+            raise APIError(404, f"The model `{model_id}` does not exist; this server serves `{serving.model_name}`.",
+                           param="model", code="model_not_found")
+        return model
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": __version__}
 
 
 def _openapi(app: FastAPI, model_name: str) -> None:
@@ -95,7 +138,7 @@ def _openapi(app: FastAPI, model_name: str) -> None:
     def openapi() -> dict:
         if app.openapi_schema is None:
             document = get_openapi(title=app.title, version=app.version, routes=app.routes)
-            bodies = schemas(CompletionBody, ChatBody)
+            bodies = schemas(CompletionBody, ChatBody, TokenizeBody, DetokenizeBody)
             for name in ("CompletionBody", "ChatBody"):
                 bodies[name]["properties"]["model"]["enum"] = [model_name]
             bodies["ChatBody"]["properties"]["messages"] = {"type": "array", "minItems": 1, "items": MESSAGE_SCHEMA}

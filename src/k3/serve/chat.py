@@ -19,7 +19,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from k3.serve.detok import IncrementalDetokenizer
-from k3.train.tokenizer import NUM_SPECIAL_TOKENS, SPECIAL_TOKENS, Tokenizer
+from k3.tokenization.bpe import NUM_SPECIAL_TOKENS, SPECIAL_TOKENS, Tokenizer
 
 __all__ = ["MODES", "AssistantParser", "format_tool_calls", "normalize", "parse", "parse_tool_calls", "render",
            "render_text", "stop_ids"]
@@ -190,8 +190,13 @@ def parse_tool_calls(text: str) -> list[dict] | None:
 
 
 def render(messages: Sequence[dict], tokenizer: Tokenizer, mode: str = "thinking", tools: list[dict] | None = None,
-           add_generation_prompt: bool = True) -> list[int]:
-    """Token ids of a conversation in the K3 chat format; ``ValueError`` naming the field for invalid input."""
+           add_generation_prompt: bool = True, tool_choice: str = "auto",
+           response_format: dict | None = None) -> list[int]:
+    """Token ids of a conversation in the K3 chat format; ``ValueError`` naming the field for invalid input.
+
+    ``tool_choice="none"`` leaves the tools out. The format has no words for a forced tool call or a
+    ``response_format``: those are enforced by constrained decoding alone (`k3.serve.structured`)."""
+    tools = None if tool_choice == "none" else tools
     msgs = normalize(messages, mode)
     thinking = mode == "thinking"
     tool_text = _dumps(_functions(tools)) if tools is not None else None

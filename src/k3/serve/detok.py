@@ -8,7 +8,7 @@ O(1) regardless of the length generated so far.
 
 from __future__ import annotations
 
-from k3.train.tokenizer import Tokenizer
+from k3.tokenization.bpe import Tokenizer
 
 __all__ = ["IncrementalDetokenizer"]
 

@@ -34,16 +34,16 @@ import threading
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
-from k3.generation import sample_next
 from k3.model.lm import K3ForCausalLM
 from k3.model.state import DecoderState
 from k3.serve.detok import IncrementalDetokenizer
-from k3.train.tokenizer import Tokenizer
+from k3.serve.sampling import SamplingParams, choose, process
+from k3.tokenization.bpe import Tokenizer
 
 __all__ = ["SamplingParams", "TokenLogprob", "Output", "Processor", "TextProcessor", "ContextLengthExceeded",
            "QueueFull", "Engine"]
@@ -53,57 +53,19 @@ STOP_CHANNELS = ("text", "content")
 
 
 @dataclass(frozen=True)
-class SamplingParams:
-    """Per-request sampling. ``temperature == 0`` is greedy; ``logprobs=k`` reports the chosen token's
-    log-probability and the k most likely alternatives (None: off)."""
-
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    logprobs: int | None = None
-
-    def check(self, vocab_size: int) -> None:
-        """Raise ValueError naming the first invalid field."""
-        def bad(name: str, want: str) -> ValueError:
-            return ValueError(f"{name}: expected {want}, got {getattr(self, name)!r}")
-
-        def integer(x: object) -> bool:
-            return isinstance(x, int) and not isinstance(x, bool)
-
-        if not integer(self.max_tokens) or self.max_tokens < 1:
-            raise bad("max_tokens", "a positive integer")
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, int | float) \
-                or not 0 <= self.temperature <= 100:
-            raise bad("temperature", "a number in [0, 100]")
-        if isinstance(self.top_p, bool) or not isinstance(self.top_p, int | float) or not 0 < self.top_p <= 1:
-            raise bad("top_p", "a number in (0, 1]")
-        if not integer(self.top_k) or self.top_k < 0:
-            raise bad("top_k", "a non-negative integer (0 = off)")
-        if self.seed is not None and not integer(self.seed):
-            raise bad("seed", "an integer or None")
-        if not all(isinstance(s, str) and s for s in self.stop):
-            raise bad("stop", "non-empty strings")
-        if not all(integer(t) and 0 <= t < vocab_size for t in self.stop_token_ids):
-            raise bad("stop_token_ids", f"token ids in [0, {vocab_size})")
-        if self.logprobs is not None and (not integer(self.logprobs) or not 0 <= self.logprobs <= 20):
-            raise bad("logprobs", "an integer in [0, 20] or None")
-
-
-@dataclass(frozen=True)
 class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...]  # the most likely alternatives, best first
+    rank: int | None = None  # 1 + the number of more likely tokens (reported for prompt tokens)
 
 
 @dataclass
 class Output:
     """What one step produced for one request: text deltas per channel, the new token ids, and,
-    on the last output, ``finish_reason`` ("stop", "length", "abort" or "error" with ``error``)."""
+    on the last output, ``finish_reason`` ("stop", "length", "abort" or "error" with ``error``).
+    ``prompt_logprobs`` (one per prompt token, None for the first) comes once, with the first output after
+    the prompt was read; ``cumulative_logprob`` sums the generated tokens' log-probabilities so far."""
 
     request_id: str
     deltas: list[tuple[str, str]]
@@ -113,6 +75,8 @@ class Output:
     completion_tokens: int
     finish_reason: str | None = None
     error: str | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    cumulative_logprob: float = 0.0
 
 
 class Processor(Protocol):
@@ -124,10 +88,11 @@ class Processor(Protocol):
 
 
 class TextProcessor:
-    """Plain completions: one "text" channel; special tokens produce no text."""
+    """Plain completions: one "text" channel; special tokens produce no text unless ``skip_special_tokens`` is
+    False (then their literals)."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self._special = set(tokenizer.special_ids.values())
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+        self._special = set(tokenizer.special_ids.values()) if skip_special_tokens else set()
         self._detok = IncrementalDetokenizer(tokenizer)
 
     def feed(self, token_id: int) -> list[tuple[str, str]]:
@@ -174,6 +139,9 @@ class _Request:
     pending: int | None = None  # the last sampled token, to be fed at the next decode
     output_ids: list[int] = field(default_factory=list)
     held: tuple[str, str] | None = None  # (channel, text) withheld while it may start a stop string
+    constraint: Any | None = None  # the request's grammar matcher (`k3.serve.structured`)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # filled while the prompt is read, sent once
+    cumulative_logprob: float = 0.0
 
 
 class Engine:
@@ -257,7 +225,9 @@ class Engine:
             generator = torch.Generator()
             generator.manual_seed(params.seed % 2**64) if params.seed is not None else generator.seed()
         return _Request(request_id, group, list(prompt), params, processor or TextProcessor(self.tokenizer),
-                        callback or (lambda _: None), generator)
+                        callback or (lambda _: None), generator,
+                        constraint=None if params.constraint is None else params.constraint(),
+                        prompt_logprobs=None if params.prompt_logprobs is None else [None])
 
     def abort(self, request_id: str, wait: bool = True) -> bool:
         """Cancel a request; its state is freed before this returns. False if it is unknown or done.
@@ -373,57 +343,87 @@ class Engine:
             return False
 
     def _forward(self, ready: list[_Request], chunks: list[tuple[_Request, list[int]]]) -> None:
-        """One model pass: the decode rows as one group (states stacked), each prefill chunk as a group.
-        The model call leaves every request's state untouched until it returns (so a failed pass can be
-        retried); sampling is then per request."""
+        """One model pass: the decode rows as one group (states stacked), each prefill chunk as a group (with the
+        logits of every position when its request wants prompt log-probabilities). The model call leaves every
+        request's state untouched until it returns (so a failed pass can be retried); sampling is then per
+        request."""
         groups = [(torch.tensor([chunk]), request.state) for request, chunk in chunks]
+        full = [request.prompt_logprobs is not None for request, _ in chunks]
         if ready:
             ids = [r.id for r in ready]
             if self._batch is None or self._batch[0] != ids:  # reuse last step's stacked state when unchanged
                 self._batch = (ids, DecoderState.stack([r.state for r in ready]))
             groups.append((torch.tensor([[r.pending] for r in ready]), self._batch[1]))
-        results = self.model.forward_groups(groups)
+            full.append(False)
+        results = self.model.forward_groups(groups, full=full)
         if ready:
             logits, state = results.pop()
             self._batch = (self._batch[0], state)
             for request, row_state in zip(ready, state.unstack()):
                 request.state = row_state
         for (request, chunk), (logits_, state) in zip(chunks, results):
+            if request.prompt_logprobs is not None:
+                self._score_prompt(request, logits_, request.prefilled)
             request.state, request.prefilled = state, request.prefilled + len(chunk)
             if request.prefilled == len(request.prompt):
-                self._sample([request], logits_)
+                if request.params.max_tokens == 0:  # only the prompt's log-probabilities were asked for
+                    self._finish(request, [], None, [], "length")
+                else:
+                    self._sample([request], logits_[-1:])
         if ready:
             self._sample(ready, logits)
 
+    @staticmethod
+    def _score_prompt(request: _Request, logits: Tensor, start: int) -> None:
+        """Log-probabilities of the prompt tokens that positions ``start..`` of a chunk predict."""
+        k = request.params.prompt_logprobs
+        logprobs = logits.float().log_softmax(-1)
+        for t in range(logits.shape[0]):
+            if start + t + 1 < len(request.prompt):
+                target = request.prompt[start + t + 1]
+                top = logprobs[t].topk(k) if k else None
+                value = logprobs[t, target]
+                request.prompt_logprobs.append(TokenLogprob(
+                    target, float(value), () if top is None else tuple(zip(top.indices.tolist(), top.values.tolist())),
+                    1 + int((logprobs[t] > value).sum())))
+
     def _sample(self, requests: list[_Request], logits: Tensor) -> None:
-        """Sample and emit each request's next token; a failure (non-finite logits, a processor or sampling
-        error) ends that request alone."""
+        """Sample and emit each request's next token; a failure (non-finite logits, a processor, sampling or
+        grammar error) ends that request alone."""
         logits = logits.float()
         finite = torch.isfinite(logits).all(-1).tolist()
-        logprobs = logits.log_softmax(-1) if any(r.params.logprobs is not None for r in requests) else None
+        logprobs = logits.log_softmax(-1)
         greedy = logits.argmax(-1).tolist()
         for b, request in enumerate(requests):
             try:
                 if not finite[b]:
                     raise FloatingPointError("the model produced non-finite logits for this request")
-                self._emit(request, self._choose(request, logits[b:b + 1], greedy[b]),
-                           None if logprobs is None else logprobs[b])
+                self._emit(request, self._choose(request, logits[b], greedy[b]), logprobs[b])
             except Exception as err:
                 self._fail(request, err)
 
     @staticmethod
-    def _choose(request: _Request, logits: Tensor, greedy: int) -> int:
+    def _choose(request: _Request, row: Tensor, greedy: int) -> int:
+        """The request's next token; its grammar applies once its output reaches the answer (``content``), so a
+        thinking model reasons freely first."""
         p = request.params
-        return greedy if p.temperature == 0 else int(sample_next(logits, p.temperature, p.top_p, p.top_k,
-                                                                 request.generator))
+        constraint = request.constraint if getattr(request.processor, "channel", "text") in ("text", "content") \
+            else None
+        if constraint is None and not p.processed and p.temperature == 0:
+            return greedy
+        token = choose(process(row, p, request.prompt, request.output_ids, constraint), p, request.generator)
+        if constraint is not None:
+            constraint.accept(token)
+        return token
 
     def _fail(self, request: _Request, err: Exception) -> None:
         if request.id in self.running:
             self._finish(request, [], None, [], "error", f"{type(err).__name__}: {err}")
 
     # ------------------------------------------------------------------ outputs
-    def _emit(self, request: _Request, token: int, logprobs: Tensor | None) -> None:
+    def _emit(self, request: _Request, token: int, logprobs: Tensor) -> None:
         p = request.params
+        request.cumulative_logprob += float(logprobs[token])
         info = []
         if p.logprobs is not None:
             top = logprobs.topk(p.logprobs) if p.logprobs else None
@@ -455,9 +455,10 @@ class Engine:
                 continue
             text = (request.held[1] if request.held else "") + text
             request.held = None
-            hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+            hits = [(i, -len(s)) for i, s in ((text.find(s), s) for s in stops) if i >= 0]
             if hits:
-                out.append((channel, text[:min(hits)]))
+                at, length = min(hits)  # the first stop string in the text (the longest if several start there)
+                out.append((channel, text[:at - length if request.params.include_stop_str_in_output else at]))
                 return [d for d in out if d[1]], True
             keep = min(len(text), max(map(len, stops)) - 1)
             out.append((channel, text[:len(text) - keep]))
@@ -490,8 +491,11 @@ class Engine:
     @staticmethod
     def _output(request: _Request, deltas: list[tuple[str, str]], token: int | None, info: list[TokenLogprob],
                 reason: str | None, error: str | None = None) -> Output:
+        scored, request.prompt_logprobs = request.prompt_logprobs, None  # sent once
+        if scored is not None and request.prefilled < len(request.prompt) and reason is None:
+            request.prompt_logprobs, scored = scored, None  # not complete yet
         return Output(request.id, deltas, [] if token is None else [token], info, len(request.prompt),
-                      len(request.output_ids), reason, error)
+                      len(request.output_ids), reason, error, scored, request.cumulative_logprob)
 
     # ------------------------------------------------------------------ driving
     def start(self) -> Engine:

@@ -2,10 +2,12 @@
 
 In order, for every HTTP request: a draining server (SIGTERM received) answers 503; a server with an API
 key checks ``Authorization: Bearer <key>`` (scheme case-insensitive, constant-time comparison) before the
-body is read — `/health` is always open, `/docs` and `/openapi.json` only with ``public_docs``; a body is
-read in full before the route sees it, refused with 413 when it exceeds ``max_body_bytes`` (at once when
-``Content-Length`` says it is more than twice that; a smaller excess is read and discarded first, so the
-client is not reset mid-send) and with 408 when it takes longer than ``body_timeout`` to arrive.
+body is read — `/health` and the chat page (``/``, ``/static/*``: a browser navigation cannot send a token;
+the page sends the key its user types) are always open, `/docs` (with its assets, ``/docs/*``) and
+`/openapi.json` only with ``public_docs``; a body is read in full before the route sees it, refused with 413
+when it exceeds ``max_body_bytes`` (at once when ``Content-Length`` says it is more than twice that; a smaller
+excess is read and discarded first, so the client is not reset mid-send) and with 408 when it takes longer
+than ``body_timeout`` to arrive.
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
-DOCS_PATHS = ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
-OPEN_PATHS = ("/health",)
+DOCS_PATHS, DOCS_PREFIX = ("/docs", "/openapi.json"), "/docs/"
+OPEN_PATHS, OPEN_PREFIX = ("/health", "/"), "/static/"
 
 
 @dataclass(frozen=True)
@@ -110,7 +112,9 @@ class Guard:
 
     def _authorized(self, scope: Scope) -> bool:
         path = scope["path"]
-        if self.api_key is None or path in OPEN_PATHS or (self.limits.public_docs and path in DOCS_PATHS):
+        if self.api_key is None or path in OPEN_PATHS or path.startswith(OPEN_PREFIX):
+            return True
+        if self.limits.public_docs and (path in DOCS_PATHS or path.startswith(DOCS_PREFIX)):
             return True
         value = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
         scheme, _, token = value.strip().partition(" ")

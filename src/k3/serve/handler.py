@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -23,6 +23,7 @@ from k3.serve.engine import Engine, Output, Processor, SamplingParams
 from k3.serve.guard import Limits
 from k3.serve.jobs import Jobs, error_of
 from k3.serve.protocol import APIError, parse_body, sse, usage
+from k3.serve.structured import json_constraint
 
 __all__ = ["Reply", "Route", "Serving"]
 
@@ -32,8 +33,10 @@ B = TypeVar("B", bound=BaseModel)
 class Serving:
     """Shared state and steps of the chat and completion handlers."""
 
-    def __init__(self, engine: Engine, model_name: str, limits: Limits, default_mode: str = "thinking") -> None:
+    def __init__(self, engine: Engine, model_name: str, limits: Limits, default_mode: str = "instruct",
+                 separate_reasoning: bool = True) -> None:
         self.engine, self.model_name, self.limits, self.default_mode = engine, model_name, limits, default_mode
+        self.separate_reasoning = separate_reasoning
         self.tokenizer = engine.tokenizer
         self.created = int(time.time())
 
@@ -41,7 +44,7 @@ class Serving:
         """The request's JSON body validated as ``model`` (in a worker thread)."""
         raw = await request.body()
         body = await run_in_threadpool(parse_body, raw, model)
-        if body.model != self.model_name:
+        if body.model is not None and body.model != self.model_name:  # optional only for tokenizer requests
             raise APIError(404, f"The model `{body.model}` does not exist; this server serves `{self.model_name}`.",
                            param="model", code="model_not_found")
         body.unsupported()
@@ -63,6 +66,14 @@ class Serving:
     def max_tokens(self, requested: int | None, prompt_tokens: int) -> int:
         """``requested``, or what the context leaves after the prompt (at least 1)."""
         return requested if requested is not None else max(1, self.engine.max_model_len - prompt_tokens)
+
+    async def constraint(self, schema: dict | None, stop_ids: tuple[int, ...], param: str) -> Callable[[], Any]:
+        """A grammar-matcher factory for JSON (``schema`` None: any object), compiled off the event loop; an
+        unusable schema is a 400 naming ``param``."""
+        try:
+            return await run_in_threadpool(json_constraint, self.tokenizer, schema, stop_ids)
+        except ValueError as err:
+            raise APIError(400, f"{param}: {err}", param=param) from err
 
     def submit(self, jobs: list[tuple[list[int], SamplingParams, Processor | None]]) -> Jobs:
         """Queue the request's jobs as one group, with the server's request timeout."""

@@ -19,6 +19,7 @@ import time
 from types import FrameType
 
 import uvicorn
+from starlette.middleware.cors import CORSMiddleware
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from k3.serve.guard import Guard, Limits
@@ -71,9 +72,10 @@ def _protocol(header_timeout: float) -> type[GuardedH11Protocol]:
 class Server(uvicorn.Server):
     """A uvicorn server for the API app (wrapped in its `Guard`) that drains on SIGTERM / SIGINT."""
 
-    def __init__(self, app: Guard, host: str = "127.0.0.1", port: int = 8000, log_level: str = "warning") -> None:
-        limits: Limits = app.limits
-        self.guard = app
+    def __init__(self, app: Guard | CORSMiddleware, host: str = "127.0.0.1", port: int = 8000,
+                 log_level: str = "warning") -> None:
+        self.guard: Guard = app if isinstance(app, Guard) else app.app  # `create_app` may wrap it in CORS
+        limits: Limits = self.guard.limits
         super().__init__(uvicorn.Config(
             app, host=host, port=port, log_level=log_level, http=_protocol(limits.header_timeout),
             timeout_keep_alive=limits.keep_alive_timeout, limit_concurrency=limits.max_connections,
@@ -88,7 +90,7 @@ class Server(uvicorn.Server):
 class BackgroundServer:
     """Serve a guarded app on a background thread (tests, benchmarks); port 0 picks a free port."""
 
-    def __init__(self, app: Guard, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, app: Guard | CORSMiddleware, host: str = "127.0.0.1", port: int = 0) -> None:
         self.socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.socket.bind((host, port))

@@ -3,13 +3,18 @@
 Request bodies are parsed from the raw bytes by pydantic in strict mode (``model_validate_json``): a wrong
 JSON type is a 400 naming the field, never coerced (``"stream": "yes"``, ``"temperature": false``, booleans
 as token ids); malformed JSON, invalid UTF-8, lone surrogates and nesting deeper than the parser's limit
-are 400s too. Extensions beyond OpenAI's fields (as in vLLM): ``top_k``, ``stop_token_ids``, and for chat
-``mode`` ("thinking" | "instruct") or ``chat_template_kwargs: {"thinking": bool}``.
+are 400s too. Every field is honoured or refused: unknown fields and the OpenAI / vLLM fields this server does
+not implement (`NOT_IMPLEMENTED`) are 400s naming them, never silently ignored. Extensions beyond OpenAI's
+fields (as in vLLM): ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
+``stop_token_ids``, ``include_stop_str_in_output``, ``skip_special_tokens``, ``truncate_prompt_tokens``,
+``prompt_logprobs``, ``guided_json``; for chat ``mode`` ("thinking" | "instruct") or
+``chat_template_kwargs: {"thinking": bool}``, and SGLang's ``separate_reasoning``.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
@@ -17,8 +22,9 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
 from k3.serve.engine import ContextLengthExceeded, SamplingParams
 from k3.serve.guard import error_body
 
-__all__ = ["MESSAGE_SCHEMA", "APIError", "ChatBody", "CompletionBody", "extend_logprobs", "invalid", "parse_body",
-           "request_body", "schemas", "sse", "usage"]
+__all__ = ["MESSAGE_SCHEMA", "NOT_IMPLEMENTED", "APIError", "ChatBody", "CompletionBody", "NamedToolChoice",
+           "StrictBody", "extend_logprobs", "invalid", "parse_body", "request_body", "schemas", "sse", "usage",
+           "vllm_prompt_logprobs"]
 
 T = TypeVar("T")
 NonEmpty = Annotated[T, Field(min_length=1)]
@@ -50,27 +56,60 @@ def invalid(err: ValueError) -> APIError:
 
 
 # ---------------------------------------------------------------------- request bodies
-class _Body(BaseModel):
-    # strict: no coercion between JSON types; other OpenAI fields are accepted when left at their defaults
+#: Request fields of OpenAI's and vLLM's APIs this server does not implement: refused with a 400 naming them
+#: (so a client learns its setting had no effect). Any other unknown field is refused as unknown.
+NOT_IMPLEMENTED = frozenset({
+    "suffix", "use_beam_search", "length_penalty", "allowed_token_ids", "bad_words", "logits_processors",
+    "spaces_between_special_tokens", "guided_regex", "guided_choice", "guided_grammar", "structural_tag",
+    "guided_decoding_backend", "guided_whitespace_pattern", "structured_outputs", "priority", "cache_salt",
+    "kv_transfer_params", "vllm_xargs", "return_tokens_as_token_ids", "return_token_ids", "add_special_tokens",
+    "audio", "modalities", "prediction", "function_call", "functions", "web_search_options", "reasoning_effort",
+    "verbosity", "service_tier", "store", "metadata", "prompt_cache_key", "safety_identifier", "documents",
+    "chat_template", "continue_final_message", "add_generation_prompt", "mm_processor_kwargs", "echo", "best_of",
+})
+
+
+class StrictBody(BaseModel):
+    # strict: no coercion between JSON types; unknown fields are collected and refused by `unsupported`
     model_config = ConfigDict(strict=True, extra="allow")
 
+    def unsupported(self) -> None:
+        """Refuse every field this server does not implement, rather than silently ignoring it."""
+        for name in self.model_extra or {}:
+            if name in NOT_IMPLEMENTED:
+                raise APIError(400, f"{name}: not supported by this server", param=name)
+            raise APIError(400, f"{name}: unknown request field", param=name)
 
-class StreamOptions(_Body):
+
+class StreamOptions(StrictBody):
     include_usage: bool = False
 
 
-class _Sampling(_Body):
+class _Sampling(StrictBody):
     model: str
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: float = Field(default=1.0, ge=0, le=100)
     top_p: float = Field(default=1.0, gt=0, le=1)
     top_k: int = Field(default=0, ge=0)
+    min_p: float = Field(default=0.0, ge=0, le=1)
+    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
+    repetition_penalty: float = Field(default=1.0, gt=0, le=100)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    min_tokens: int = Field(default=0, ge=0)
+    ignore_eos: bool = False
     seed: Seed | None = None
     stop: Text | list[Text] | None = None
     stop_token_ids: list[Annotated[int, Field(ge=0)]] = []
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    truncate_prompt_tokens: Annotated[int, Field(ge=1)] | None = None
+    prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    guided_json: dict[str, Any] | None = None
     n: int = Field(default=1, ge=1, le=16)
     stream: bool = False
     stream_options: StreamOptions | None = None
+    user: str | None = None  # an end-user id for the operator's records; no effect on generation
 
     @property
     def include_usage(self) -> bool:
@@ -78,31 +117,84 @@ class _Sampling(_Body):
         return self.stream and self.stream_options is not None and self.stream_options.include_usage
 
     def unsupported(self) -> None:
-        """Reject OpenAI features this server does not implement, rather than silently ignoring them."""
-        extra = self.model_extra or {}
-        for name, neutral in (("presence_penalty", 0), ("frequency_penalty", 0), ("logit_bias", None),
-                              ("echo", False), ("best_of", 1), ("suffix", None), ("response_format", None)):
-            value = extra.get(name, neutral)
-            if value not in (neutral, None) and not (name == "response_format" and value == {"type": "text"}):
-                raise APIError(400, f"{name}: not supported by this server (got {value!r})", param=name)
+        super().unsupported()
+        if self.guided_json is not None and getattr(self, "response_format", None) is not None:
+            raise APIError(400, "guided_json: give either guided_json or response_format", param="guided_json")
 
-    def sampling(self, max_tokens: int, stop_ids: tuple[int, ...], logprobs: int | None) -> list[SamplingParams]:
-        """One `SamplingParams` per choice; choice i samples with ``seed + i`` (mod 2^64)."""
+    def bias(self, vocab_size: int) -> tuple[tuple[int, float], ...]:
+        """``logit_bias`` as ``(token id, bias)`` pairs; keys must be token ids (as OpenAI's are)."""
+        out = []
+        for key, value in (self.logit_bias or {}).items():
+            if not key.isdigit() or int(key) >= vocab_size:
+                raise APIError(400, f"logit_bias: keys must be token ids in [0, {vocab_size}), got {key!r}",
+                               param="logit_bias")
+            out.append((int(key), value))
+        return tuple(out)
+
+    def truncate(self, prompt: list[int]) -> list[int]:
+        """The prompt's last ``truncate_prompt_tokens`` tokens (vLLM), or all of it."""
+        return prompt[-self.truncate_prompt_tokens:] if self.truncate_prompt_tokens else prompt
+
+    def sampling(self, max_tokens: int, stop_ids: tuple[int, ...], logprobs: int | None, vocab_size: int,
+                 constraint: Callable[[], Any] | None = None, choices: int | None = None) -> list[SamplingParams]:
+        """One `SamplingParams` per choice (``choices``, default ``n``); choice i samples with ``seed + i``
+        (mod 2^64). ``stop_ids`` are the format's end ids (dropped with ``ignore_eos``)."""
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-        return [SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
-                               top_k=self.top_k, seed=None if self.seed is None else (self.seed + i) % 2**64,
-                               stop=stop, stop_token_ids=stop_ids + tuple(self.stop_token_ids), logprobs=logprobs)
-                for i in range(self.n)]
+        ends = () if self.ignore_eos else stop_ids
+        if self.min_tokens > max_tokens:
+            raise APIError(400, f"min_tokens: {self.min_tokens} is more than max_tokens={max_tokens}",
+                           param="min_tokens")
+        return [SamplingParams(
+            max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+            seed=None if self.seed is None else (self.seed + i) % 2**64, stop=stop, stop_token_ids=ends + tuple(
+                self.stop_token_ids), include_stop_str_in_output=self.include_stop_str_in_output,
+            logprobs=logprobs, prompt_logprobs=self.prompt_logprobs, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
+            logit_bias=self.bias(vocab_size), min_tokens=self.min_tokens, constraint=constraint)
+            for i in range(self.n if choices is None else choices)]
 
 
 class CompletionBody(_Sampling):
     prompt: Text | NonEmpty[list[Text]] | TokenIds | NonEmpty[list[TokenIds]]
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    max_tokens: Annotated[int, Field(ge=0)] | None = 16
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    echo: bool = False
+    best_of: Annotated[int, Field(ge=1, le=16)] | None = None
+
+    def unsupported(self) -> None:
+        super().unsupported()
+        if self.best_of is not None and self.best_of < self.n:
+            raise APIError(400, f"best_of: must be >= n={self.n}, got {self.best_of}", param="best_of")
+        if self.best_of is not None and self.best_of > self.n and self.stream:
+            raise APIError(400, "best_of: cannot be combined with stream (the best choices are known at the end)",
+                           param="best_of")
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError(400, "max_tokens: 0 is only meaningful with echo (scoring the prompt)", param="max_tokens")
 
 
-class ChatTemplateKwargs(_Body):
+class ChatTemplateKwargs(StrictBody):
     thinking: StrictBool | None = None
+
+
+class JSONSchemaFormat(StrictBody):
+    name: str
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(StrictBody):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class NamedFunction(StrictBody):
+    name: str
+
+
+class NamedToolChoice(StrictBody):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatBody(_Sampling):
@@ -111,16 +203,36 @@ class ChatBody(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
-    tool_choice: Literal["auto", "none"] | None = None  # forced tool calls are not implemented
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
     mode: Literal["thinking", "instruct"] | None = None
     chat_template_kwargs: ChatTemplateKwargs | None = None
+    separate_reasoning: bool | None = None  # SGLang's: False puts the reasoning into content as <think>…</think>
 
-    def mode_or(self, default: str) -> str:
-        """The chat mode: ``chat_template_kwargs.thinking``, else ``mode``, else the server's default."""
+    def unsupported(self) -> None:
+        super().unsupported()
+        f = self.response_format
+        if f is not None and f.type == "json_schema" and (f.json_schema is None or f.json_schema.schema_ is None):
+            raise APIError(400, "response_format.json_schema: a json_schema with a 'schema' is required",
+                           param="response_format")
+        if self.tool_choice not in (None, "auto", "none") and not self.tools:
+            raise APIError(400, "tool_choice: forcing a tool call needs 'tools'", param="tool_choice")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in {
+                (t.get("function") or {}).get("name") for t in self.tools or [] if isinstance(t, dict)}:
+            raise APIError(400, f"tool_choice: no tool named {self.tool_choice.function.name!r} in 'tools'",
+                           param="tool_choice")
+
+    def explicit_mode(self) -> str | None:
+        """The mode the request chose: ``chat_template_kwargs.thinking``, else ``mode``, else None."""
         thinking = self.chat_template_kwargs.thinking if self.chat_template_kwargs else None
         if thinking is not None:
             return "thinking" if thinking else "instruct"
-        return self.mode or default
+        return self.mode
+
+    def mode_or(self, default: str) -> str:
+        """The chat mode: the request's (`explicit_mode`), else the server's default."""
+        return self.explicit_mode() or default
 
 
 def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
@@ -185,6 +297,20 @@ def sse(data: dict | str, event: str | None = None) -> str:
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
+
+
+def vllm_prompt_logprobs(scored: list[Any], decode: Callable[[list[int]], str]) -> list[dict | None]:
+    """vLLM's ``prompt_logprobs`` from the engine's `TokenLogprob` list: per prompt token None (the first) or
+    ``{id: {logprob, rank, decoded_token}}`` holding the prompt token and the most likely alternatives."""
+    out: list[dict | None] = []
+    for t in scored:
+        if t is None:
+            out.append(None)
+            continue
+        entry = {str(i): {"logprob": lp, "rank": r, "decoded_token": decode([i])} for r, (i, lp) in enumerate(t.top, 1)}
+        entry.setdefault(str(t.token_id), {"logprob": t.logprob, "rank": t.rank, "decoded_token": decode([t.token_id])})
+        out.append(entry)
+    return out
 
 
 def extend_logprobs(merged: dict[str, list], part: dict[str, list] | None) -> None:

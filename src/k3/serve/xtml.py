@@ -41,6 +41,8 @@ _JSON_TYPES = ((bool, "boolean"), (type(None), "null"), ((int, float), "number")
                (list, "array"))
 _CHANNELS = {"think": "reasoning", "response": "content", "tools": "tools"}
 EFFORTS = ("low", "high", "max")
+_RAW_JSON = ("The system is invoked with `response_format={}`.\nYour response must be raw JSON data without markdown "
+             "code blocks (```json) or any additional formatting.")
 _EFFORT = ("`thinking_effort` guides on how much to think in your thinking channel (not including the response "
            "channel), supported values include `low`, `medium`, `high`, and `max`.\nNow the system is invoked with "
            "`thinking_effort={}`.")
@@ -197,11 +199,14 @@ def _encode(parts: _Parts, tokenizer: Any) -> list[int]:
 
 
 def render(messages: Sequence[dict], tokenizer: Any, mode: str = "thinking", tools: list[dict] | None = None,
-           add_generation_prompt: bool = True, thinking_effort: str = "max") -> list[int]:
+           add_generation_prompt: bool = True, thinking_effort: str = "max", tool_choice: str = "auto",
+           response_format: dict | None = None) -> list[int]:
     """Token ids of a conversation in the XTML format; ``ValueError`` naming the field for invalid input.
 
     In thinking mode a ``thinking-effort`` system message follows the tool declaration, as the release's
     ``apply_chat_template`` writes it (its default effort is ``"max"``; ``"low"`` and ``"high"`` are accepted).
+    After the conversation, as the release's encoder does: a ``tool-choice`` message for ``tool_choice``
+    ``"required"`` or ``"none"`` and a ``response-format`` message for a JSON ``response_format``.
     """
     _check_mode(mode)
     if thinking_effort not in EFFORTS:
@@ -219,15 +224,27 @@ def render(messages: Sequence[dict], tokenizer: Any, mode: str = "thinking", too
         parts += _system("thinking-effort", _EFFORT.format(thinking_effort))
     for m in msgs:
         parts += _render_message(m, thinking)
+    if tool_choice in ("required", "none"):
+        parts += _system("tool-choice", f"The system is invoked with `tool_choice={tool_choice}`.\nYou MUST "
+                                        f"{'call tools' if tool_choice == 'required' else 'NOT call any tools'} in the "
+                                        "next message.")
+    kind = (response_format or {}).get("type")
+    if kind in ("json_object", "json_schema"):
+        body = _RAW_JSON.format(kind)
+        if kind == "json_schema":
+            schema = (response_format.get("json_schema") or {}).get("schema")
+            body += ("\nThe JSON data must match the following schema:\n```json\n"
+                     + json.dumps(schema, ensure_ascii=False, separators=(",", ":"), sort_keys=True) + "\n```")
+        parts += _system("response-format", body)
     if add_generation_prompt:
         parts += [*_open("message", ("role", "assistant")), *_open("think" if thinking else "response")]
     return _encode(parts, tokenizer)
 
 
 def render_text(messages: Sequence[dict], tokenizer: Any, mode: str = "thinking", tools: list[dict] | None = None,
-                add_generation_prompt: bool = True, thinking_effort: str = "max") -> str:
+                add_generation_prompt: bool = True, **options: Any) -> str:
     """:func:`render` decoded to text, special tokens as literals (for display and debugging)."""
-    return tokenizer.decode(render(messages, tokenizer, mode, tools, add_generation_prompt, thinking_effort))
+    return tokenizer.decode(render(messages, tokenizer, mode, tools, add_generation_prompt, **options))
 
 
 # ------------------------------------------------------------------------------------------------

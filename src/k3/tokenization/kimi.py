@@ -3,7 +3,7 @@
 A release directory holds ``tiktoken.model`` (one ``base64(token bytes) rank`` line per base token, ranks
 ``0 .. n-1``) and ``tokenizer_config.json`` (``added_tokens_decoder`` names some of the 256 special ids
 ``n .. n+255``; the others are ``<|reserved_token_{id}|>``; ``bos_token``/``eos_token``/``pad_token`` pick ids).
-:class:`KimiTokenizer` offers the duck-typed interface of :class:`k3.train.tokenizer.Tokenizer`, so serving code
+:class:`KimiTokenizer` offers the duck-typed interface of :class:`k3.tokenization.bpe.Tokenizer`, so serving code
 uses either. Long texts are encoded in pieces (tiktoken's regex engine fails on huge inputs): chunks of at most
 :data:`MAX_CHUNK_CHARS` characters, cut again inside runs of more than :data:`MAX_RUN_CHARS` consecutive
 whitespace or non-whitespace characters.
@@ -175,6 +175,14 @@ class KimiTokenizer(Vocabulary):
     def max_token_bytes(self) -> int:
         """The most UTF-8 bytes one id stands for (special literals count their length)."""
         return max(max(map(len, self._ranks)), max(map(len, self._special_ids)))
+
+    def token_bytes(self) -> list[bytes]:
+        """The bytes each id stands for, indexed by id; the 256 special ids give ``b""`` (protocol markers, not text,
+        so a grammar engine that builds text from these bytes can never produce them inside a value)."""
+        out = [b""] * self._size
+        for token, rank in self._ranks.items():
+            out[rank] = token
+        return out
 
     def get_vocab(self) -> dict[str, int]:
         """``{token string: id}`` for the whole vocabulary (base tokens as GPT-2 byte-level symbols)."""

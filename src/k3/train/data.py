@@ -264,7 +264,7 @@ class PackedLoader:
         self.shuffle = bool(shuffle)
         self.mask_special = bool(mask_special)
         if special_ids is None:
-            from k3.train.tokenizer import NUM_SPECIAL_TOKENS
+            from k3.tokenization.bpe import NUM_SPECIAL_TOKENS
 
             special_ids = range(NUM_SPECIAL_TOKENS)
         self._special = torch.tensor(sorted({int(i) for i in special_ids}), dtype=torch.int64)
@@ -426,7 +426,7 @@ def eval_batches(
     st = torch.zeros(total, dtype=torch.bool)
     st[:n] = starts
     if special_ids is None:
-        from k3.train.tokenizer import NUM_SPECIAL_TOKENS
+        from k3.tokenization.bpe import NUM_SPECIAL_TOKENS
 
         special_ids = range(NUM_SPECIAL_TOKENS)
     special = torch.tensor(sorted({int(i) for i in special_ids}), dtype=torch.int64) if mask_special else None

@@ -25,6 +25,7 @@ from k3.model.lm import K3ForCausalLM
 from k3.model.memory import check_fits
 from k3.model.sequence.mla import GatedMLA
 from k3.train import checkpoint as ckpt
+from k3.model import checkpoint as model_ckpt
 from k3.train.balance import QuantileBalancer
 from k3.train.data import (
     PackedLoader,
@@ -37,7 +38,7 @@ from k3.train.data import (
 )
 from k3.train.optim import OptimConfig, build_optimizers, qk_clip_mla, schedulers
 from k3.train.threads import CoreShare
-from k3.train.tokenizer import Tokenizer
+from k3.tokenization.bpe import Tokenizer
 
 
 #: The paper's context curriculum (SPEC §7; report §§3.3–3.4): pre-training at 8K then 64K, cooldown at
@@ -190,16 +191,16 @@ class Run:
     def prepare(self, resume: bool) -> None:
         """Load or build tokenizer and data, optimisers; resume from the newest checkpoint if asked."""
         self.out.mkdir(parents=True, exist_ok=True)
-        found = ckpt.checkpoints(self.out)
-        if not resume and (found or (self.out / ckpt.LATEST).exists()):
-            names = ", ".join(p.name for p in found) or ckpt.LATEST
+        found = model_ckpt.checkpoints(self.out)
+        if not resume and (found or (self.out / model_ckpt.LATEST).exists()):
+            names = ", ".join(p.name for p in found) or model_ckpt.LATEST
             raise ValueError(f"{self.out} already holds a checkpoint ({names}); pass --resume to continue it "
                              f"or choose another --out")
         existing = ckpt.latest_checkpoint(self.out) if resume else None
         train_docs, val_docs = _documents(self.config)
         self.tok_dir = self.out / "tokenizer"
         if existing is not None:  # the checkpoint's own tokenizer is authoritative
-            self.tokenizer = ckpt.read_tokenizer(existing)
+            self.tokenizer = model_ckpt.read_tokenizer(existing)
             self.tokenizer.save(self.tok_dir)
         elif (self.tok_dir / "tokenizer.json").exists():
             self.tokenizer = Tokenizer.load(self.tok_dir)
@@ -224,9 +225,9 @@ class Run:
     def prepare_evaluation(self, checkpoint: Path) -> None:
         """Load ``checkpoint`` (weights, tokenizer, step) and the validation data for `evaluate`, writing
         nothing (``k3 eval``: any checkpoint of a run, the run's files left as they are)."""
-        ckpt.check_same_config(checkpoint, ckpt.read_config(checkpoint), self.model_config)
-        ckpt.load_weights(checkpoint, self.model)
-        self.tokenizer = ckpt.read_tokenizer(checkpoint)
+        ckpt.check_same_config(checkpoint, model_ckpt.read_config(checkpoint), self.model_config)
+        model_ckpt.load_weights(checkpoint, self.model)
+        self.tokenizer = model_ckpt.read_tokenizer(checkpoint)
         self.step_index = int(ckpt.load_state(checkpoint).get("step", 0))
         self.val_tokens = tokenize_documents(self.tokenizer, _documents(self.config)[1])
 
@@ -242,8 +243,8 @@ class Run:
         return self.config.tokens_per_step // (length * self.config.grad_accum)
 
     def _restore(self, path: Path) -> None:
-        ckpt.check_same_config(path, ckpt.read_config(path), self.model_config)
-        ckpt.load_weights(path, self.model)
+        ckpt.check_same_config(path, model_ckpt.read_config(path), self.model_config)
+        model_ckpt.load_weights(path, self.model)
         state = ckpt.load_state(path)
         try:
             for opt, s in zip(self.optimizers, state["optimizers"], strict=True):

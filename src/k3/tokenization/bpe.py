@@ -192,6 +192,18 @@ class Tokenizer(Vocabulary):
         count their length): text of ``n`` characters has at least ``n / max_token_bytes`` tokens."""
         return max(len(token) for token in self.get_vocab())
 
+    def token_bytes(self) -> list[bytes]:
+        """The bytes each id stands for, indexed by id; special ids give ``b""`` (they are protocol markers, not
+        text, so a grammar engine that builds text from these bytes can never produce them inside a value)."""
+        from k3.tokenization.kimi import _byte_symbols
+
+        byte_of = {symbol: b for b, symbol in enumerate(_byte_symbols())}
+        out = [b""] * self._size
+        for token, i in self.get_vocab().items():
+            if i >= NUM_SPECIAL_TOKENS:
+                out[i] = bytes(byte_of[symbol] for symbol in token)
+        return out
+
     def get_vocab(self) -> dict[str, int]:
         """``{token string: id}`` for the whole vocabulary (byte-level symbols as the model stores them)."""
         return self._hf.get_vocab(with_added_tokens=True)
