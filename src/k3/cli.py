@@ -145,11 +145,14 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _engine(args: argparse.Namespace, **options):
+    from k3.serve.cache import PrefixCache
     from k3.serve.engine import Engine
 
     model, tokenizer = _load(args.ckpt)
+    cache = None if args.no_prefix_cache else PrefixCache.for_model(
+        model, tokenizer, int(args.prefix_cache_gb * 2**30), args.cache_block_tokens, args.cache_checkpoint_every)
     return Engine(model, tokenizer, max_model_len=args.max_model_len, max_batch=args.max_batch,
-                  prefill_chunk=args.prefill_chunk, **options)
+                  prefill_chunk=args.prefill_chunk, prefix_cache=cache, **options)
 
 
 #: ``k3 serve`` flags of `k3.serve.guard.Limits`: flag, field, type, scale (flag → field), help.
@@ -191,6 +194,10 @@ def _limit_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    if args.replicas > 1:
+        from k3.serve.fleet import run_fleet
+
+        return run_fleet(args.ckpt, args.replicas, args.port, args.argv[1:], host=args.host, limits=_limits(args))
     import torch
 
     from k3.serve.api import create_app
@@ -211,6 +218,13 @@ def _serve(args: argparse.Namespace) -> int:
         engine.stop()
     print("k3 serve: stopped", flush=True)
     return 0
+
+
+def _route(args: argparse.Namespace) -> int:
+    from k3.serve.fleet import run_router
+
+    return run_router(args.replica, args.host, args.port, long_threshold=args.long_threshold,
+                      short_budget=args.short_budget, long_budget=args.long_budget)
 
 
 def _chat(args: argparse.Namespace) -> int:
@@ -342,10 +356,21 @@ def main(argv: list[str] | None = None) -> int:
         sub.add_argument("--prefill-chunk", type=int, default=64,
                          help="prompt tokens prefilled per step while other requests decode (their latency vs "
                               "the new prompt's time to first token)")
+        cache = sub.add_argument_group("prefix cache (README, 'Prefix cache')")
+        cache.add_argument("--prefix-cache-gb", type=_positive(float, zero=True), default=1.0,
+                           help="bytes for cached MLA pages and KDA checkpoints, in GiB (default: %(default)s)")
+        cache.add_argument("--no-prefix-cache", action="store_true", help="recompute every prompt")
+        cache.add_argument("--cache-block-tokens", type=_positive(int), default=64,
+                           help="tokens per hash block (the paper's 512; default %(default)s for small models)")
+        cache.add_argument("--cache-checkpoint-every", type=_positive(int), default=8,
+                           help="KDA checkpoint every N hash blocks of a long prompt (default %(default)s)")
         sub.set_defaults(run=run)
         if name == "serve":
             sub.add_argument("--host", default="127.0.0.1")
             sub.add_argument("--port", type=int, default=8000)
+            sub.add_argument("--replicas", type=_positive(int), default=1,
+                             help="engine processes behind a cache-aware router (k3 route): replicas on ports "
+                                  "PORT+1..PORT+N, the router on --port (default: %(default)s, no router)")
             sub.add_argument("--api-key", help="require 'Authorization: Bearer KEY'")
             sub.add_argument("--model-name", help="the served model id (default: the checkpoint directory name)")
             sub.add_argument("--threads", type=int, help="torch intra-op threads (default: all cores but one, which "
@@ -361,7 +386,21 @@ def main(argv: list[str] | None = None) -> int:
             sub.add_argument("--temperature", type=float, default=0.7)
             sub.add_argument("--top-p", type=float, default=0.95)
             sub.add_argument("--seed", type=int)
+
+    ro = commands.add_parser("route", help="a cache-aware router in front of running `k3 serve` replicas")
+    ro.add_argument("--replica", action="append", required=True, metavar="URL",
+                    help="a replica's base URL, e.g. http://127.0.0.1:8001 (repeat the flag for each)")
+    ro.add_argument("--host", default="127.0.0.1")
+    ro.add_argument("--port", type=int, default=8000)
+    ro.add_argument("--long-threshold", type=_positive(int), default=32768,
+                    help="body bytes beyond which a request is 'long' (default: %(default)s)")
+    ro.add_argument("--short-budget", type=_positive(int), default=64,
+                    help="short requests relayed at once (429 beyond; default: %(default)s)")
+    ro.add_argument("--long-budget", type=_positive(int), default=4,
+                    help="long requests relayed at once (429 beyond; default: %(default)s)")
+    ro.set_defaults(run=_route)
     args = parser.parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else argv  # `k3 serve --replicas` passes its flags on
     try:
         return args.run(args)
     except (ValueError, OSError) as err:

@@ -1,16 +1,16 @@
 """An OpenAI-compatible HTTP API over the `Engine` (issues 5, 9): a FastAPI app behind its `Guard`.
 
-Routes: ``POST /v1/chat/completions`` (`ChatCompletions`), ``POST /v1/completions`` (`Completions`),
-``GET /v1/models`` and ``/v1/models/{id}``, ``POST /tokenize`` / ``/detokenize`` and ``GET /tokenizer_info``
-(vLLM's, `k3.serve.tokenize`), ``GET /version``, ``GET /health``, the chat page ``/`` and ``/docs``
-(`k3.serve.pages`). Streaming uses Server-Sent Events in OpenAI's chunk shapes, ending
-with ``data: [DONE]``. Errors carry OpenAI's body ``{"error": {"message", "type", "param", "code"}}``:
-400 for invalid requests, naming the field (a prompt plus ``max_tokens`` beyond the context length is
-``context_length_exceeded``), 401 for a missing or wrong bearer token (``--api-key``; checked before the
-body is read), 404 for an unknown model, 408 for a body or a generation that takes too long, 413 for a
-body over the size limit, 429 with ``Retry-After`` when the queue is full, 503 while shutting down; an
-error after a stream started is sent as an ``event: error``. A client that disconnects cancels its
-requests (the engine frees their state). The limits are `Limits` (README, "Limits").
+Routes: ``POST /v1/chat/completions`` (`ChatCompletions`), ``POST /v1/completions`` (`Completions`), ``GET
+/v1/models`` and ``/v1/models/{id}``, ``POST /tokenize`` / ``/detokenize`` and ``GET /tokenizer_info`` (vLLM's,
+`k3.serve.tokenize`), ``GET /version``, ``GET /health``, ``GET /metrics`` (Prometheus, `k3.serve.metrics`), the
+chat page ``/`` and ``/docs`` (`k3.serve.pages`). Streaming uses Server-Sent Events in OpenAI's chunk shapes,
+ending with ``data: [DONE]``. Errors carry OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400
+for invalid requests, naming the field (a prompt plus ``max_tokens`` beyond the context length is
+``context_length_exceeded``), 401 for a missing or wrong bearer token (``--api-key``; checked before the body is
+read), 404 for an unknown model, 408 for a body or a generation that takes too long, 413 for a body over the size
+limit, 429 with ``Retry-After`` when the queue is full, 503 while shutting down; an error after a stream started is
+sent as an ``event: error``. A client that disconnects cancels its requests (the engine frees their state). The
+limits are `Limits` (README, "Limits").
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from collections.abc import Sequence
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
 
@@ -129,6 +130,10 @@ def _routes(app: FastAPI, serving: Serving) -> None:
     @app.get("/version")
     async def version() -> dict:
         return {"version": __version__}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(serving.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
 def _openapi(app: FastAPI, model_name: str) -> None:

@@ -191,7 +191,7 @@ class _Reply(Reply):
         async for i, output in run.outputs(request):
             if (err := error_of(output)) is not None:
                 raise err
-            self.completion_tokens[i] = output.completion_tokens
+            self.record(i, output)
             routed = [d for channel, text in output.deltas for d in self._route(i, channel, text)]
             for key, text in routed + (self._close(i) if output.finish_reason is not None else []):
                 parts[i][key] += text

@@ -111,7 +111,7 @@ class _Reply(Reply):
         async for i, output in run.outputs(request):
             if (err := error_of(output)) is not None:
                 raise err
-            self.completion_tokens[i] = output.completion_tokens
+            self.record(i, output)
             text, logprobs = self._parts(i, output, len(texts[i]))
             extend_logprobs(lps[i], logprobs)
             texts[i] += text

@@ -18,6 +18,10 @@ matched on the visible channels with a hold-back so a stop string is never strea
 reports an `Output` per request to its callback. `start` runs steps on a background thread;
 `generate` is a blocking iterator that works with or without it.
 
+With a `PrefixCache` (issue 13) a request resumes from the longest cached prefix of its prompt (MLA pages and a KDA
+checkpoint, `k3.serve.cache`), and its prefill is cut at the cache's block boundaries, where the state is
+checkpointed for the requests that follow.
+
 One request never harms another (issue 9): sampling is safe for every accepted parameter value
 (`k3.generation.sample_next`); a failure while sampling or processing one request's token ends that
 request only; a failed model call holding several requests is retried once per request, alone, and only
@@ -41,6 +45,7 @@ from torch import Tensor
 
 from k3.model.lm import K3ForCausalLM
 from k3.model.state import DecoderState
+from k3.serve.cache import PrefixCache
 from k3.serve.detok import IncrementalDetokenizer
 from k3.serve.sampling import SamplingParams, choose, process
 from k3.tokenization.bpe import Tokenizer
@@ -77,6 +82,7 @@ class Output:
     error: str | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
     cumulative_logprob: float = 0.0
+    cached_tokens: int = 0  # prompt tokens restored from the prefix cache
 
 
 class Processor(Protocol):
@@ -142,6 +148,9 @@ class _Request:
     constraint: Any | None = None  # the request's grammar matcher (`k3.serve.structured`)
     prompt_logprobs: list[TokenLogprob | None] | None = None  # filled while the prompt is read, sent once
     cumulative_logprob: float = 0.0
+    cached: int = 0  # prompt tokens restored from the prefix cache
+    pins: list = field(default_factory=list)  # prefix-cache entries held while the request runs
+    cuts: list[int] = field(default_factory=list)  # prompt positions where prefill chunks end (cache checkpoints)
 
 
 class Engine:
@@ -150,7 +159,8 @@ class Engine:
     IDLE_PREFILL = 1024  # prompt tokens per step while no request is decoding
 
     def __init__(self, model: K3ForCausalLM, tokenizer: Tokenizer, *, max_model_len: int | None = None,
-                 max_batch: int = 32, prefill_chunk: int = 64, max_waiting: int = 1024) -> None:
+                 max_batch: int = 32, prefill_chunk: int = 64, max_waiting: int = 1024,
+                 prefix_cache: PrefixCache | None = None) -> None:
         if tokenizer.vocab_size > model.config.vocab_size:
             raise ValueError(f"tokenizer: {tokenizer.vocab_size} ids but the model has vocab_size "
                              f"{model.config.vocab_size}")
@@ -159,6 +169,7 @@ class Engine:
                              f"{prefill_chunk}, {max_waiting}")
         self.model = model.eval()
         self.tokenizer = tokenizer
+        self.prefix_cache = prefix_cache
         self.max_model_len = min(max_model_len or model.config.context_length, model.config.context_length)
         self.max_batch = max_batch
         self.prefill_chunk = prefill_chunk
@@ -246,6 +257,7 @@ class Engine:
             if request is None:
                 return False
             request.state = None
+            self._release(request)
             if self._batch is not None and request_id in self._batch[0]:
                 self._batch = None  # the stacked decode state held its row too
             self.finished["abort"] += 1
@@ -294,8 +306,26 @@ class Engine:
                     self._waiting.move_to_end(group)
                 else:
                     del self._waiting[group]
-                request.state = self.model.new_state(1)
+                self._start(request)
                 self.running[request.id] = request
+
+    def _start(self, request: _Request) -> None:
+        """A fresh state, or the longest cached prefix of the prompt (not for prompt log-probabilities, which
+        need every position's logits); prefill is cut at the cache's checkpoint boundaries."""
+        cache = self.prefix_cache
+        request.state = self.model.new_state(1)
+        if cache is None:
+            return
+        request.cuts = cache.boundaries(len(request.prompt))
+        hit = cache.lookup(request.prompt, request.params.cache_salt) if request.prompt_logprobs is None else None
+        if hit is not None:
+            request.state, request.prefilled, request.cached, request.pins = hit.state, hit.length, hit.length, \
+                hit.keys
+
+    def _checkpoint(self, request: _Request) -> None:
+        """Give the prefix cache the state at a boundary the prefill just reached."""
+        if self.prefix_cache is not None and request.prefilled in request.cuts:
+            self.prefix_cache.insert(request.prompt[:request.prefilled], request.state, request.params.cache_salt)
 
     def _abort_cancelled(self) -> None:
         with self._queue_lock:
@@ -309,6 +339,8 @@ class Engine:
         budget, chunks = self.prefill_chunk if decoding else max(self.prefill_chunk, self.IDLE_PREFILL), []
         for request in self.running.values():
             n = min(budget, len(request.prompt) - request.prefilled)
+            cut = next((c for c in request.cuts if c > request.prefilled), None)
+            n = n if cut is None else min(n, cut - request.prefilled)
             if n > 0:
                 chunks.append((request, request.prompt[request.prefilled:request.prefilled + n]))
                 budget -= n
@@ -365,6 +397,7 @@ class Engine:
             if request.prompt_logprobs is not None:
                 self._score_prompt(request, logits_, request.prefilled)
             request.state, request.prefilled = state, request.prefilled + len(chunk)
+            self._checkpoint(request)
             if request.prefilled == len(request.prompt):
                 if request.params.max_tokens == 0:  # only the prompt's log-probabilities were asked for
                     self._finish(request, [], None, [], "length")
@@ -391,7 +424,9 @@ class Engine:
         """Sample and emit each request's next token; a failure (non-finite logits, a processor, sampling or
         grammar error) ends that request alone."""
         logits = logits.float()
-        finite = torch.isfinite(logits).all(-1).tolist()
+        if logits.shape[-1] > self.tokenizer.vocab_size:  # a padded vocabulary: ids the tokenizer cannot decode
+            logits[:, self.tokenizer.vocab_size:] = float("-inf")
+        finite = torch.isfinite(logits[:, : self.tokenizer.vocab_size]).all(-1).tolist()
         logprobs = logits.log_softmax(-1)
         greedy = logits.argmax(-1).tolist()
         for b, request in enumerate(requests):
@@ -476,8 +511,14 @@ class Engine:
         request.held = None
         self.running.pop(request.id, None)
         request.state = None
+        self._release(request)
         self.finished[reason] += 1
         self._deliver(request, self._output(request, deltas, token, info, reason, error))
+
+    def _release(self, request: _Request) -> None:
+        if request.pins:
+            self.prefix_cache.release(request.pins)
+            request.pins = []
 
     def _deliver(self, request: _Request, output: Output) -> None:
         """Hand an output to the request's callback; a failing callback (a gone client) cancels the request."""
@@ -495,7 +536,7 @@ class Engine:
         if scored is not None and request.prefilled < len(request.prompt) and reason is None:
             request.prompt_logprobs, scored = scored, None  # not complete yet
         return Output(request.id, deltas, [] if token is None else [token], info, len(request.prompt),
-                      len(request.output_ids), reason, error, scored, request.cumulative_logprob)
+                      len(request.output_ids), reason, error, scored, request.cumulative_logprob, request.cached)
 
     # ------------------------------------------------------------------ driving
     def start(self) -> Engine:

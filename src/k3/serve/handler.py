@@ -22,6 +22,7 @@ from starlette.concurrency import run_in_threadpool
 from k3.serve.engine import Engine, Output, Processor, SamplingParams
 from k3.serve.guard import Limits
 from k3.serve.jobs import Jobs, error_of
+from k3.serve.metrics import Metrics
 from k3.serve.protocol import APIError, parse_body, sse, usage
 from k3.serve.structured import json_constraint
 
@@ -37,6 +38,7 @@ class Serving:
                  separate_reasoning: bool = True) -> None:
         self.engine, self.model_name, self.limits, self.default_mode = engine, model_name, limits, default_mode
         self.separate_reasoning = separate_reasoning
+        self.metrics = Metrics(engine)
         self.tokenizer = engine.tokenizer
         self.created = int(time.time())
 
@@ -77,7 +79,8 @@ class Serving:
 
     def submit(self, jobs: list[tuple[list[int], SamplingParams, Processor | None]]) -> Jobs:
         """Queue the request's jobs as one group, with the server's request timeout."""
-        return Jobs(self.engine, jobs, group=uuid.uuid4().hex, timeout=self.limits.request_timeout)
+        return Jobs(self.engine, jobs, group=uuid.uuid4().hex, timeout=self.limits.request_timeout,
+                    timer=self.metrics.timer())
 
 
 class Route:
@@ -97,6 +100,8 @@ class Reply:
         self.model_name, self.body = model_name, body
         self.id, self.created = f"{self.PREFIX}-{uuid.uuid4().hex}", int(time.time())
         self.completion_tokens = [0] * choices
+        self.cached = [0] * choices  # prompt tokens each choice resumed from the prefix cache
+        self.per_prompt = choices  # choices that share one prompt (completions with several prompts: n)
         self.prompt_tokens = prompt_tokens
 
     def chunk(self, choices: list[dict], usage_: dict | None = None, object_: str | None = None) -> dict:
@@ -107,8 +112,15 @@ class Reply:
             out["usage"] = usage_
         return out
 
+    def record(self, index: int, output: Output) -> None:
+        """Count an output of choice ``index`` for ``usage``."""
+        self.completion_tokens[index] = output.completion_tokens
+        self.cached[index] = output.cached_tokens
+
     def usage(self) -> dict:
-        return usage(self.prompt_tokens, sum(self.completion_tokens))
+        k = self.per_prompt
+        cached = sum(max(self.cached[i:i + k]) for i in range(0, len(self.cached), k))
+        return usage(self.prompt_tokens, sum(self.completion_tokens), cached)
 
     def opening(self) -> list[str]:
         """SSE events sent before any output."""
@@ -125,7 +137,7 @@ class Reply:
             yield event
         try:
             async for i, output in run.outputs():
-                self.completion_tokens[i] = output.completion_tokens
+                self.record(i, output)
                 if (err := error_of(output)) is not None:
                     yield sse(err.body(), "error")
                     return

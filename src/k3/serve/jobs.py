@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 
 from k3.serve.engine import Engine, Output, Processor, QueueFull, SamplingParams
+from k3.serve.metrics import Timer
 from k3.serve.protocol import APIError, invalid
 
 __all__ = ["Jobs", "error_of"]
@@ -20,7 +21,7 @@ class Jobs:
     job is a 400, a full queue a 429 with ``Retry-After``."""
 
     def __init__(self, engine: Engine, jobs: list[tuple[list[int], SamplingParams, Processor | None]],
-                 group: str, timeout: float | None) -> None:
+                 group: str, timeout: float | None, timer: Timer | None = None) -> None:
         self.engine = engine
         self.queue: asyncio.Queue[tuple[int, Output]] = asyncio.Queue()
         self.deadline = None if timeout is None else time.monotonic() + timeout
@@ -28,7 +29,11 @@ class Jobs:
         loop = asyncio.get_running_loop()
 
         def callback(i: int):
-            return lambda output: loop.call_soon_threadsafe(self.queue.put_nowait, (i, output))
+            def deliver(output: Output) -> None:
+                if timer is not None:
+                    timer.observe(i, output)
+                loop.call_soon_threadsafe(self.queue.put_nowait, (i, output))
+            return deliver
 
         try:
             self.ids = engine.add_requests([(prompt, params, processor, callback(i))

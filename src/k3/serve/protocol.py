@@ -61,7 +61,7 @@ def invalid(err: ValueError) -> APIError:
 NOT_IMPLEMENTED = frozenset({
     "suffix", "use_beam_search", "length_penalty", "allowed_token_ids", "bad_words", "logits_processors",
     "spaces_between_special_tokens", "guided_regex", "guided_choice", "guided_grammar", "structural_tag",
-    "guided_decoding_backend", "guided_whitespace_pattern", "structured_outputs", "priority", "cache_salt",
+    "guided_decoding_backend", "guided_whitespace_pattern", "structured_outputs", "priority",
     "kv_transfer_params", "vllm_xargs", "return_tokens_as_token_ids", "return_token_ids", "add_special_tokens",
     "audio", "modalities", "prediction", "function_call", "functions", "web_search_options", "reasoning_effort",
     "verbosity", "service_tier", "store", "metadata", "prompt_cache_key", "safety_identifier", "documents",
@@ -110,6 +110,7 @@ class _Sampling(StrictBody):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # an end-user id for the operator's records; no effect on generation
+    cache_salt: Annotated[str, Field(min_length=1)] | None = None  # vLLM's: prefixes are shared only within a salt
 
     @property
     def include_usage(self) -> bool:
@@ -150,7 +151,8 @@ class _Sampling(StrictBody):
                 self.stop_token_ids), include_stop_str_in_output=self.include_stop_str_in_output,
             logprobs=logprobs, prompt_logprobs=self.prompt_logprobs, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
-            logit_bias=self.bias(vocab_size), min_tokens=self.min_tokens, constraint=constraint)
+            logit_bias=self.bias(vocab_size), min_tokens=self.min_tokens, constraint=constraint,
+            cache_salt=self.cache_salt)
             for i in range(self.n if choices is None else choices)]
 
 
@@ -294,9 +296,11 @@ def sse(data: dict | str, event: str | None = None) -> str:
     return (f"event: {event}\n" if event else "") + f"data: {text}\n\n"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage object; ``prompt_tokens_details.cached_tokens`` counts prompt tokens reused from the cache."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def vllm_prompt_logprobs(scored: list[Any], decode: Callable[[list[int]], str]) -> list[dict | None]:

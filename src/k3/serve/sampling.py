@@ -48,6 +48,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
     constraint: Callable[[], Any] | None = None
+    cache_salt: str | None = None  # requests share cached prefixes only under the same salt (`k3.serve.cache`)
 
     def check(self, vocab_size: int) -> None:
         """Raise ValueError naming the first invalid field."""

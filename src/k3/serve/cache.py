@@ -1,0 +1,219 @@
+"""The K3 prefix cache (issue 13; SPEC §8): reuse a prompt's prefix across requests, MLA pages and KDA checkpoints.
+
+A prompt is cut into *hash blocks* of ``block_tokens`` tokens; block i's key is a chained hash over the namespace
+(model fingerprint, chat-format version, the request's ``cache_salt``), every earlier block and its own token ids,
+so two requests share a block only when their whole prefixes are identical. Two kinds of entry share one byte
+budget and one LRU order:
+
+* an **MLA page**: the rows of one hash block in every MLA layer's cache (KV latent + shared key) — what a
+  pure-attention server caches;
+* a **KDA checkpoint**: the model's whole non-attention state exactly after a block boundary — every KDA layer's
+  recurrent state and ShortConv window, and the AttnRes depth sources of the last position. Restoring a hybrid
+  model at a boundary needs one; a boundary without one cannot be resumed however many pages match.
+
+`lookup` finds the longest run of matching pages, then the longest boundary within it that has a checkpoint
+(SPEC §8's 2,800-token hit that resumes at 2,560), and builds the request's private `DecoderState`: pages are
+concatenated into new MLA caches and checkpoint tensors are shared read-only (the model never writes into a
+state it was given; every forward returns new tensors). Hit entries stay pinned until the request ends
+(`release`) and are never evicted while pinned. Entries are added only after the chunk that produced them
+completed, so an aborted prefill leaves nothing half-written; a checkpoint is one entry, so its layers are
+evicted together. Eviction is least-recently-used among unpinned entries, later blocks of a chain before
+earlier ones (so chains shrink from the end).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from k3.model.sequence.kda import KDAState
+from k3.model.sequence.mla import MLACache
+from k3.model.state import DecoderState
+
+__all__ = ["CHAT_FORMAT_VERSION", "CacheStats", "Hit", "PrefixCache"]
+
+#: Bumped whenever a chat format's rendering changes, so cached prefixes of the old rendering are never reused.
+CHAT_FORMAT_VERSION = 1
+
+
+@dataclass
+class CacheStats:
+    lookups: int = 0
+    hits: int = 0
+    tokens_looked_up: int = 0
+    tokens_reused: int = 0
+    pages_added: int = 0
+    checkpoints_added: int = 0
+    evictions: int = 0
+
+
+@dataclass
+class _Entry:
+    tensors: tuple[Tensor, ...]  # a page: (latent, shared_key) per MLA layer; a checkpoint: see `_checkpoint`
+    nbytes: int
+    pins: int = 0
+
+
+@dataclass
+class Hit:
+    """A restored prefix: the request resumes at ``length`` tokens with ``state``; ``keys`` are pinned."""
+
+    length: int
+    state: DecoderState
+    keys: list[tuple[str, bytes]] = field(default_factory=list)
+
+
+def _nbytes(tensors: tuple[Tensor, ...]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class PrefixCache:
+    """Pages and checkpoints of one model under a byte budget (thread-safe)."""
+
+    def __init__(self, kinds: list[str], budget_bytes: int, block_tokens: int = 64, checkpoint_every: int = 8,
+                 namespace: str = "") -> None:
+        if block_tokens < 1 or checkpoint_every < 1 or budget_bytes < 0:
+            raise ValueError(f"prefix cache: need block_tokens >= 1, checkpoint_every >= 1, budget >= 0; got "
+                             f"{block_tokens}, {checkpoint_every}, {budget_bytes}")
+        self.kinds, self.budget, self.block = kinds, budget_bytes, block_tokens
+        self.checkpoint_every, self.namespace = checkpoint_every, namespace
+        self.stats = CacheStats()
+        self._entries: OrderedDict[tuple[str, bytes], _Entry] = OrderedDict()  # LRU first
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module, tokenizer: object, budget_bytes: int, block_tokens: int = 64,
+                  checkpoint_every: int = 8) -> PrefixCache:
+        """A cache whose namespace fingerprints ``model`` (config and a sample of its weights) and the chat
+        format version, so entries can never be reused across models or formats."""
+        h = hashlib.sha256(model.config.to_json().encode())
+        h.update(f"|{getattr(tokenizer, 'chat_format', 'k3')}|{CHAT_FORMAT_VERSION}|{tokenizer.vocab_size}".encode())
+        for t in list(model.state_dict().values())[:8]:
+            h.update(t.detach().reshape(-1)[:64].float().numpy().tobytes())
+        return cls(model.config.layer_kinds(), budget_bytes, block_tokens, checkpoint_every, h.hexdigest())
+
+    # ------------------------------------------------------------------ keys and boundaries
+    def hashes(self, tokens: list[int], salt: str | None = None) -> list[bytes]:
+        """The chained key of every full hash block of ``tokens``."""
+        out, parent = [], hashlib.sha256(f"k3-prefix|{self.namespace}|{salt or ''}".encode()).digest()
+        for start in range(0, len(tokens) - self.block + 1, self.block):
+            h = hashlib.sha256(parent)
+            h.update(b"".join(t.to_bytes(4, "little") for t in tokens[start:start + self.block]))
+            parent = h.digest()
+            out.append(parent)
+        return out
+
+    def boundaries(self, prompt_tokens: int) -> list[int]:
+        """Where a prompt's prefill is cut and checkpointed: every ``checkpoint_every`` blocks, and the last block
+        boundary before the prompt's last token (a resumed request must still compute that token's logits)."""
+        last = (prompt_tokens - 1) // self.block * self.block
+        every = self.block * self.checkpoint_every
+        return sorted({b for b in range(every, last + 1, every)} | ({last} if last > 0 else set()))
+
+    @property
+    def bytes_used(self) -> int:
+        return self._bytes
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def pinned(self) -> int:
+        """Total pins held (zero once every request using the cache has ended)."""
+        with self._lock:
+            return sum(e.pins for e in self._entries.values())
+
+    # ------------------------------------------------------------------ lookup
+    def lookup(self, tokens: list[int], salt: str | None = None) -> Hit | None:
+        """The longest reusable prefix of ``tokens`` (at most ``len(tokens) - 1`` tokens), pinned; None on a miss."""
+        keys = self.hashes(tokens[:-1], salt)
+        with self._lock:
+            self.stats.lookups += 1
+            self.stats.tokens_looked_up += len(tokens)
+            matched = 0
+            while matched < len(keys) and ("page", keys[matched]) in self._entries:
+                matched += 1
+            blocks = next((j for j in range(matched, 0, -1) if ("checkpoint", keys[j - 1]) in self._entries), 0)
+            if blocks == 0:
+                return None
+            hit_keys = [("page", k) for k in keys[:blocks]] + [("checkpoint", keys[blocks - 1])]
+            for key in reversed(hit_keys):  # the chain's first block ends most recently used
+                self._entries[key].pins += 1
+                self._entries.move_to_end(key)
+            state = self._restore([self._entries[("page", k)] for k in keys[:blocks]],
+                                  self._entries[("checkpoint", keys[blocks - 1])], blocks * self.block)
+            self.stats.hits += 1
+            self.stats.tokens_reused += blocks * self.block
+        return Hit(blocks * self.block, state, hit_keys)
+
+    def _restore(self, pages: list[_Entry], checkpoint: _Entry, length: int) -> DecoderState:
+        kda = iter(zip(checkpoint.tensors[1::2], checkpoint.tensors[2::2]))  # (conv, recurrent) per KDA layer
+        layers, mla = [], 0
+        for kind in self.kinds:
+            if kind == "kda":
+                conv, recurrent = next(kda)
+                layers.append(KDAState(conv, recurrent))
+            else:
+                layers.append(MLACache(torch.cat([p.tensors[2 * mla] for p in pages], dim=1),
+                                       torch.cat([p.tensors[2 * mla + 1] for p in pages], dim=1)))
+                mla += 1
+        depth = checkpoint.tensors[0]
+        return DecoderState(layers, None if depth.numel() == 0 else depth, length)
+
+    def release(self, keys: list[tuple[str, bytes]]) -> None:
+        """Unpin the entries of a `Hit` (the request ended)."""
+        with self._lock:
+            for key in keys:
+                entry = self._entries.get(key)
+                if entry is not None and entry.pins > 0:
+                    entry.pins -= 1
+            self._evict()
+
+    # ------------------------------------------------------------------ insertion
+    def insert(self, tokens: list[int], state: DecoderState, salt: str | None = None, checkpoint: bool = True) -> None:
+        """Store the prefix ``tokens`` (a whole number of blocks) of a batch-1 ``state`` consumed exactly them: the
+        MLA pages of its blocks not cached yet, and (unless ``checkpoint`` is False) a KDA checkpoint at its end."""
+        if len(tokens) % self.block or state.position != len(tokens) or state.batch_size != 1:
+            raise ValueError(f"prefix cache: insert needs a batch-1 state at a block boundary, got {len(tokens)} "
+                             f"tokens, position {state.position}, batch {state.batch_size}")
+        keys = self.hashes(tokens, salt)
+        mla = [s for s in state.layers if isinstance(s, MLACache)]
+        with self._lock:
+            for i in range(len(keys) - 1, -1, -1):  # later blocks first: LRU evicts a chain from its end
+                if ("page", keys[i]) in self._entries:
+                    continue
+                rows = slice(i * self.block, (i + 1) * self.block)
+                page = tuple(t[:, rows].clone() for s in mla for t in (s.latent, s.shared_key))
+                self._add(("page", keys[i]), page)
+                self.stats.pages_added += 1
+            if checkpoint and ("checkpoint", keys[-1]) not in self._entries:
+                self._add(("checkpoint", keys[-1]), self._checkpoint(state))
+                self.stats.checkpoints_added += 1
+            self._evict()
+
+    @staticmethod
+    def _checkpoint(state: DecoderState) -> tuple[Tensor, ...]:
+        """(depth, then conv and recurrent of each KDA layer), copied: a state's tensors may be views of a batch."""
+        depth = state.depth if state.depth is not None else torch.empty(0)
+        return tuple(t.clone() for t in (depth, *(t for s in state.layers if isinstance(s, KDAState)
+                                                   for t in (s.conv, s.recurrent))))
+
+    def _add(self, key: tuple[str, bytes], tensors: tuple[Tensor, ...]) -> None:
+        entry = _Entry(tensors, _nbytes(tensors))
+        self._entries[key] = entry
+        self._bytes += entry.nbytes
+
+    def _evict(self) -> None:
+        """Drop least-recently-used unpinned entries until the budget holds (caller holds the lock)."""
+        if self._bytes <= self.budget:
+            return
+        for key in [k for k, e in self._entries.items() if e.pins == 0]:
+            if self._bytes <= self.budget:
+                break
+            self._bytes -= self._entries.pop(key).nbytes
+            self.stats.evictions += 1

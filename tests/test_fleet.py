@@ -1,0 +1,265 @@
+"""The cache-aware router (`k3.serve.router`) and the fleet (`k3 route`, `k3 serve --replicas`): the ring and
+routing keys as units, then real `k3 serve` replicas and routers on loopback."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+import serving
+from k3.model.checkpoint import save_model
+from k3.serve.router import PROMPT_CHARS, PROMPT_IDS, HashRing, routing_key
+
+KEY, LONG_THRESHOLD = "k", 200  # the replicas' API key; bodies over 200 bytes are "long" (budget 1)
+
+
+# ---------------------------------------------------------------------- units
+def test_ring_moves_only_the_removed_replicas_keys_to_their_secondaries():
+    ring = HashRing(["a", "b", "c", "d"])
+    keys = [f"conversation {i}".encode() for i in range(4000)]
+    before = {key: ring.lookup(key) for key in keys}
+    assert all(len(choice) == 2 and choice[0] != choice[1] for choice in before.values())
+    shares = {member: sum(choice[0] == member for choice in before.values()) / len(keys) for member in "abcd"}
+    assert all(0.15 < share < 0.35 for share in shares.values()), shares  # virtual nodes balance the load
+    ring.remove("c")
+    for key, (primary, secondary) in before.items():
+        assert ring.lookup(key)[0] == (secondary if primary == "c" else primary)
+    ring.add("c")
+    assert all(ring.lookup(key) == choice for key, choice in before.items())
+    order = ring.lookup(b"x", count=9)
+    assert len(order) == len(set(order)) == 4 and order[:2] == ring.lookup(b"x") and HashRing().lookup(b"x") == []
+
+
+def test_routing_key_is_the_leading_content():
+    def chat(*messages):
+        return routing_key("/v1/chat/completions", httpx.Request("POST", "/", json={"messages": messages}).content)
+
+    system, first = {"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}
+    turns = [system, first, {"role": "assistant", "content": "hello"}, {"role": "user", "content": "more"}]
+    assert chat(*turns[:2]) == chat(*turns) == chat(*turns[:3])  # a growing conversation keeps its key
+    assert chat(*turns[:2]) != chat(first) != chat(system, {"role": "user", "content": "bye"})
+
+    def completion(prompt):
+        return routing_key("/v1/completions", httpx.Request("POST", "/", json={"prompt": prompt}).content)
+
+    text = "x" * PROMPT_CHARS
+    assert completion(text + "a") == completion(text + "b") == completion([text, "c"]) != completion("a" + text)
+    ids = list(range(PROMPT_IDS))
+    assert completion(ids + [1]) == completion(ids + [2]) == completion([ids]) != completion(ids[1:])
+    assert routing_key("/health", b"") != routing_key("/v1/models", b"") == routing_key("/v1/models", b"")
+    assert routing_key("/tokenize", b"{not json") == b"/tokenize\0{not json"
+
+
+# ---------------------------------------------------------------------- processes
+def free_port(count: int = 1) -> int:
+    """A port P with P … P+count-1 free on loopback."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + count > 65535:
+            continue
+        try:
+            for port in range(base + 1, base + count):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+
+
+def launch(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "k3.cli", *args], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def wait_until(ready, process: subprocess.Popen | None = None, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if ready():
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline and (process is None or process.poll() is None)
+        time.sleep(0.05)
+
+
+def replica(ckpt, port: int) -> subprocess.Popen:
+    return launch("serve", "--ckpt", str(ckpt), "--port", str(port), "--api-key", KEY, "--max-model-len", "256",
+                  "--threads", "1")
+
+
+def answers(url: str) -> bool:
+    return httpx.get(url + "/health", timeout=1).status_code == 200
+
+
+def status(url: str) -> dict:
+    return httpx.get(url + "/router/status", timeout=5).json()
+
+
+def in_ring(url: str) -> dict[str, bool]:
+    return {r["url"]: r["in_ring"] for r in status(url)["replicas"]}
+
+
+def stop(*processes: subprocess.Popen) -> None:
+    for process in processes:
+        process.terminate()
+    for process in processes:
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return save_model(tmp_path_factory.mktemp("fleet") / "k3-tiny", serving.model(), serving.tokenizer())
+
+
+@pytest.fixture(scope="module")
+def fleet(ckpt):
+    """Three replicas (API key "k") behind `k3 route` (long budget 1): (router URL, {replica URL: process})."""
+    ports = [free_port() for _ in range(3)]
+    replicas = {f"http://127.0.0.1:{port}": replica(ckpt, port) for port in ports}
+    port = free_port()
+    router = launch("route", "--port", str(port), "--long-threshold", str(LONG_THRESHOLD), "--long-budget", "1",
+                    *(f"--replica={url}" for url in replicas))
+    try:
+        for url, process in replicas.items():
+            wait_until(lambda url=url: answers(url), process)
+        url = f"http://127.0.0.1:{port}"
+        wait_until(lambda: all(in_ring(url).values()), router)
+        yield url, replicas
+    finally:
+        stop(router, *replicas.values())
+
+
+def client(url: str, key: str = KEY) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def chat(api: openai.OpenAI, messages: list[dict], max_tokens: int = 3) -> tuple[str, str]:
+    """(the replica that answered, the reply)."""
+    raw = api.chat.completions.with_raw_response.create(model="k3-tiny", messages=messages, max_tokens=max_tokens,
+                                                        temperature=0, extra_body={"ignore_eos": True})
+    return raw.headers["x-k3-replica"], raw.parse().choices[0].message.content
+
+
+def test_a_conversation_stays_on_its_replica_and_conversations_spread(fleet):
+    url, replicas = fleet
+    api = client(url)
+    before = status(url)
+    homes = []
+    for i in range(12):
+        messages = [{"role": "system", "content": "be brief"}] if i % 2 else []
+        messages.append({"role": "user", "content": f"conversation {i}: hello"})
+        seen = set()
+        for turn in range(3):
+            replica_url, reply = chat(api, messages)
+            seen.add(replica_url)
+            messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": f"turn {turn}"}]
+        assert len(seen) == 1, seen  # every turn, with its growing history, on the same replica
+        homes.append(seen.pop())
+    assert set(homes) <= set(replicas) and len(set(homes)) >= 2, homes
+    after = status(url)
+    primary = {r["url"]: r["primary"] for r in after["replicas"]}
+    assert sum(primary.values()) - sum(r["primary"] for r in before["replicas"]) == 36
+    assert all(r["primary"] == r["served"] for r in after["replicas"]) and after["retries"] == 0
+
+
+def test_streams_pass_through_and_client_errors_are_not_retried(fleet):
+    url, _ = fleet
+    api = client(url)
+    request = dict(model="k3-tiny", prompt="def load(path):", max_tokens=12, temperature=0,
+                   extra_body={"ignore_eos": True})
+    whole = api.completions.with_raw_response.create(**request)
+    raw = api.completions.with_raw_response.create(**request, stream=True)
+    assert raw.headers["x-k3-replica"] == whole.headers["x-k3-replica"]
+    assert raw.headers["content-type"].startswith("text/event-stream")
+    chunks = list(raw.parse())
+    assert "".join(c.choices[0].text for c in chunks) == whole.parse().choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert api.models.list().data[0].id == "k3-tiny"
+    before = status(url)["retries"]
+    with pytest.raises(openai.AuthenticationError):  # the replica's 401, relayed as it is
+        client(url, key="wrong").completions.create(**request)
+    with pytest.raises(openai.BadRequestError):
+        api.completions.create(**{**request, "max_tokens": 1000})  # over the replicas' context: their 400
+    assert status(url)["retries"] == before
+
+
+def test_a_long_request_budget_refuses_the_next_long_one_but_not_short_ones(fleet):
+    url, _ = fleet
+    api = client(url)
+    long = {"model": "k3-tiny", "prompt": [65] * 80, "max_tokens": 5, "temperature": 0}
+    assert len(httpx.Request("POST", "/", json=long).content) > LONG_THRESHOLD
+    stream = api.completions.create(**{**long, "max_tokens": 170}, stream=True, extra_body={"ignore_eos": True})
+    next(iter(stream))  # admitted and generating
+    assert status(url)["budgets"]["long"]["in_use"] == 1
+    with httpx.Client(base_url=url, headers={"authorization": f"Bearer {KEY}"}, timeout=30) as http:
+        refused = http.post("/v1/completions", json=long)
+        assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+        assert refused.json()["error"]["code"] == "long_budget_exhausted"
+        for i in range(3):
+            assert chat(api, [{"role": "user", "content": f"short {i}"}])[1]
+        stream.close()
+        wait_until(lambda: status(url)["budgets"]["long"]["in_use"] == 0)
+        assert http.post("/v1/completions", json=long).status_code == 200
+    assert status(url)["budgets"]["long"]["refused"] == 1
+
+
+def test_a_killed_replica_is_failed_over_left_out_and_taken_back(fleet, ckpt):
+    """Runs last: it kills one replica of the module's fleet (and restarts it on the same port)."""
+    url, replicas = fleet
+    api = client(url)
+    conversations = [[{"role": "user", "content": f"load {i}"}] for i in range(9)]
+    with ThreadPoolExecutor(len(conversations)) as pool:
+        running = [pool.submit(chat, api, messages, 150) for messages in conversations]
+        victim = None
+
+        def busy() -> bool:
+            nonlocal victim
+            victim = next((u for u in replicas if httpx.get(u + "/health", timeout=5).json()["running"]), None)
+            return victim is not None
+
+        wait_until(busy, timeout=30)
+        replicas[victim].send_signal(signal.SIGKILL)
+        replicas[victim].wait()
+        results = [future.result() for future in running]  # in flight on the victim: retried on secondaries
+    assert all(reply for _, reply in results)
+    assert status(url)["retries"] >= 1
+    wait_until(lambda: not in_ring(url)[victim], timeout=10)
+    for messages in conversations:
+        assert chat(api, messages)[0] != victim
+    replicas[victim] = replica(ckpt, int(victim.rsplit(":", 1)[1]))
+    wait_until(lambda: in_ring(url)[victim], replicas[victim], timeout=60)  # two good checks put it back
+    assert victim in {chat(api, messages)[0] for messages in conversations}
+
+
+def test_k3_serve_replicas_runs_a_fleet_and_stops_it(ckpt):
+    port = free_port(3)
+    url = f"http://127.0.0.1:{port}"
+    fleet = launch("serve", "--ckpt", str(ckpt), "--port", str(port), "--replicas", "2", "--api-key", KEY,
+                   "--max-model-len", "256")
+    try:
+        wait_until(lambda: all(in_ring(url).values()), fleet)
+        assert sorted(in_ring(url)) == [f"http://127.0.0.1:{port + 1}", f"http://127.0.0.1:{port + 2}"]
+        assert chat(client(url), [{"role": "user", "content": "hi"}])[0] in in_ring(url)
+        fleet.send_signal(signal.SIGTERM)
+        assert fleet.wait(timeout=60) == 0
+        for p in (port, port + 1, port + 2):  # the router and both replicas are gone
+            with pytest.raises(OSError):
+                socket.create_connection(("127.0.0.1", p), timeout=2).close()
+    finally:
+        stop(fleet)
