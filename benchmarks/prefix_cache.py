@@ -3,9 +3,9 @@
 Two workloads on the `small` preset (random weights: timing does not depend on what the model says), run through
 the engine as a server runs it (one request at a time, conversations interleaved turn by turn):
 
-* **chat**: a shared 300-token system prompt, 4 conversations of 6 turns; each turn adds a ~40-token user message
-  and the model's 16-token answer to the history;
-* **agent**: 3 tasks of 6 turns; each turn appends a ~250-token tool output (as a tool message) and the answer.
+* **chat**: a shared 300-word system prompt, 4 conversations of 6 turns; each turn adds a 40-word user message
+  and the model's 16-token answer to the history; **chat-long** the same with a 1,500-word system prompt;
+* **agent**: 3 tasks of 6 turns; each turn appends a 250-word tool output (as a tool message) and the answer.
 
 Reported per turn: TTFT p50 / p99 with the cache off and on and their ratio, and the share of prompt tokens
 reused; then the bytes per cached token of KDA checkpoints and MLA pages, and what the same history would cost a
@@ -47,8 +47,8 @@ def text(rng: random.Random, words: int) -> str:
 def workload(name: str, seed: int = 0) -> list[list[dict]]:
     """Per conversation, its opening messages (the history grows as it runs)."""
     rng = random.Random(seed)
-    if name == "chat":
-        system = {"role": "system", "content": text(rng, 300)}
+    if name.startswith("chat"):
+        system = {"role": "system", "content": text(rng, 1500 if name == "chat-long" else 300)}
         return [[system] for _ in range(4)]
     return [[{"role": "system", "content": text(rng, 60)}, {"role": "user", "content": text(rng, 40)}]
             for _ in range(3)]
@@ -72,7 +72,7 @@ def run(name: str, engine: Engine, tok: Tokenizer, seed: int = 0) -> list[dict]:
     histories, rows = workload(name, seed), []
     for turn in range(TURNS):
         for c, history in enumerate(histories):
-            if name == "chat":
+            if name.startswith("chat"):
                 history.append({"role": "user", "content": text(rng, 40)})
             elif turn:
                 history.append({"role": "tool", "tool_call_id": f"call{turn}", "content": text(rng, 250)})
@@ -107,7 +107,7 @@ def main() -> None:
     texts = [p.read_text() for p in sorted(Path(random.__file__).parent.glob("json/*.py"))]
     tok = Tokenizer.train(texts, config.vocab_size)
     rows, caches = [], {}
-    for name in ("chat", "agent"):
+    for name in ("chat", "chat-long", "agent"):
         cache = PrefixCache.for_model(model, tok, 2**30, block_tokens=64, checkpoint_every=8)
         off = run(name, Engine(model, tok, max_model_len=config.context_length), tok)
         on = run(name, Engine(model, tok, max_model_len=config.context_length, prefix_cache=cache), tok)
