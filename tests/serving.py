@@ -53,8 +53,8 @@ class Scripted(K3ForCausalLM):
         self.start, self.script, self.fail_after = start, script, fail_after
         self.eval()
 
-    def forward_groups(self, groups, full=None):
-        results = super().forward_groups(groups, full)
+    def forward_groups(self, groups, full=None, replay=None):
+        results = super().forward_groups(groups, full, replay)
         for (ids, state), (logits, _) in zip(groups, results):
             generated = state.position + ids.shape[1] - self.start  # tokens generated after this call
             if self.fail_after is not None and generated > self.fail_after:

@@ -44,8 +44,8 @@ class Endless(K3ForCausalLM):
     """The tiny K3 of `serving.model` with its end-of-message ids masked: every reply runs to its token limit,
     so a reply without one lasts long enough to press Stop (or to outlast a request timeout)."""
 
-    def forward_groups(self, groups, full=None):
-        results = super().forward_groups(groups, full)
+    def forward_groups(self, groups, full=None, replay=None):
+        results = super().forward_groups(groups, full, replay)
         ends = list(chat_format(serving.tokenizer()).stop_ids(serving.tokenizer()))
         for logits, _ in results:
             logits[..., ends] = -1e4  # finite: the engine refuses non-finite logits

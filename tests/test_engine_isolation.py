@@ -30,10 +30,10 @@ class Faulty(K3ForCausalLM):
             self.lm_head.weight.mul_(8.0)
         self.eval()
 
-    def forward_groups(self, groups, full=None):
+    def forward_groups(self, groups, full=None, replay=None):
         if any((ids == POISON).any() for ids, _ in groups):
             raise RuntimeError("poisoned input")
-        results = super().forward_groups(groups, full)
+        results = super().forward_groups(groups, full, replay)
         for (ids, _), (logits, _) in zip(groups, results):
             logits[:, (POISON, TRIGGER, NAN_TRIGGER)] = -1e4  # scripted ids appear only where scripted
             rows = (ids == TRIGGER).any(-1)

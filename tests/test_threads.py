@@ -24,6 +24,8 @@ def test_core_share_gives_a_busy_process_its_core_and_takes_it_back(restore_thre
     if idle_load is None:
         pytest.skip("no /proc/stat on this system")
     share = CoreShare(window_s=1.0)
+    if idle_load > share.cores - 1:  # another process already fills the machine: a busy loop cannot show
+        pytest.skip(f"the machine is busy ({idle_load:.1f} of {share.cores} cores in use by other processes)")
     loop = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         time.sleep(1.2)

@@ -98,6 +98,26 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train_draft(args: argparse.Namespace) -> int:
+    from k3.train.draft import DraftTrainConfig, expected_accepted, train_draft
+
+    config = DraftTrainConfig(
+        ckpt=args.ckpt, out=args.out, steps=args.steps, seq_len=args.seq_len, batch_size=args.batch_size,
+        lr=args.lr, seed=args.seed, data=args.data or [], layer_kind=args.layer_kind,
+        feature_layers=args.feature_layers, draft_vocab=args.draft_vocab, ckpt_every=args.ckpt_every,
+        max_minutes=args.max_minutes, threads=args.threads, progress=not args.no_progress,
+        data_limit_bytes=None if args.data_limit_mb is None else int(args.data_limit_mb * 2**20),
+    )
+    run = train_draft(config, resume=args.resume)
+    acceptance = run.evaluate()
+    print(f"step {run.step_index}/{config.steps}: expected acceptance per draft step (validation): "
+          + " ".join(f"{a:.3f}" for a in acceptance))
+    print(f"expected accepted tokens per {config.unroll}-token draft: {expected_accepted(acceptance):.2f} "
+          f"(plus the target's own token)")
+    print(f"draft: {run.out / 'latest'}  metrics: {run.metrics_path}")
+    return 0
+
+
 def _eval(args: argparse.Namespace) -> int:
     from k3.train.loop import Run, TrainConfig
     from k3.model.checkpoint import resolve
@@ -152,7 +172,24 @@ def _engine(args: argparse.Namespace, **options):
     cache = None if args.no_prefix_cache else PrefixCache.for_model(
         model, tokenizer, int(args.prefix_cache_gb * 2**30), args.cache_block_tokens, args.cache_checkpoint_every)
     return Engine(model, tokenizer, max_model_len=args.max_model_len, max_batch=args.max_batch,
-                  prefill_chunk=args.prefill_chunk, prefix_cache=cache, **options)
+                  prefill_chunk=args.prefill_chunk, prefix_cache=cache, drafter=_drafter(args, model),
+                  num_draft_tokens=args.num_draft_tokens, **options)
+
+
+def _drafter(args: argparse.Namespace, target):
+    """`--draft DIR`: a small kimi-k3 checkpoint with the target's vocabulary drafts for speculative decoding."""
+    if args.draft is None:
+        return None
+    from k3.serve.drafting import ModelDrafter
+
+    if (Path(args.draft) / "draft.json").exists():
+        raise ValueError(f"--draft {args.draft}: an EAGLE-3 draft (k3 train-draft) cannot be served yet; give a "
+                         f"small kimi-k3 checkpoint with the target's vocabulary")
+    draft, _ = _load(args.draft)
+    if draft.config.vocab_size != target.config.vocab_size:
+        raise ValueError(f"--draft {args.draft}: vocabulary {draft.config.vocab_size} differs from the target's "
+                         f"{target.config.vocab_size}")
+    return ModelDrafter(draft)
 
 
 #: ``k3 serve`` flags of `k3.serve.guard.Limits`: flag, field, type, scale (flag → field), help.
@@ -328,6 +365,30 @@ def main(argv: list[str] | None = None) -> int:
     tr.add_argument("--no-progress", action="store_true")
     tr.set_defaults(run=_train)
 
+    td = commands.add_parser("train-draft", help="train an EAGLE-3 draft for speculative decoding on a frozen target")
+    td.add_argument("--ckpt", required=True, help="the target: a run directory or a checkpoint directory")
+    td.add_argument("--out", required=True, help="run directory: draft checkpoints and metrics.jsonl")
+    td.add_argument("--resume", action="store_true", help="continue the run in --out if it has a checkpoint")
+    td.add_argument("--steps", type=_positive(int), default=1000)
+    td.add_argument("--seq-len", type=_positive(int), default=128, help="tokens per training window")
+    td.add_argument("--batch-size", type=_positive(int), default=8)
+    td.add_argument("--lr", type=_positive(float), default=1e-3, help="AdamW peak learning rate (cosine decay)")
+    td.add_argument("--seed", type=int, default=0)
+    td.add_argument("--data", nargs="*", help="text files/folders, .jsonl, .parquet; default: the Python standard "
+                    "library's source (as k3 train)")
+    td.add_argument("--data-limit-mb", type=float, help="use at most this much of the standard-library corpus")
+    td.add_argument("--layer-kind", choices=("mla", "kda"), default="mla", help="the draft's sequence mixer")
+    td.add_argument("--feature-layers", type=int, nargs=3, metavar=("LOW", "MID", "HIGH"),
+                    help="0-based target layers whose retrieved inputs are fused (default: 2, L//2, L-3)")
+    td.add_argument("--draft-vocab", type=_positive(int), help="reduced draft vocabulary: the corpus's most "
+                    "frequent target tokens (default: the target's whole vocabulary)")
+    td.add_argument("--ckpt-every", type=_positive(int), default=100)
+    td.add_argument("--max-minutes", type=_positive(float, zero=True),
+                    help="stop after this much wall time (with a checkpoint)")
+    td.add_argument("--threads", type=_positive(int), help="torch threads (default: torch's)")
+    td.add_argument("--no-progress", action="store_true")
+    td.set_defaults(run=_train_draft)
+
     ev = commands.add_parser("eval", help="validation loss and perplexity of a checkpoint")
     ev.add_argument("--ckpt", required=True, help="a run directory or a checkpoint directory")
     ev.add_argument("--data", nargs="*")
@@ -356,6 +417,9 @@ def main(argv: list[str] | None = None) -> int:
         sub.add_argument("--prefill-chunk", type=int, default=64,
                          help="prompt tokens prefilled per step while other requests decode (their latency vs "
                               "the new prompt's time to first token)")
+        sub.add_argument("--draft", help="a small checkpoint (same vocabulary) that drafts for speculative decoding")
+        sub.add_argument("--num-draft-tokens", type=_positive(int), default=4,
+                         help="tokens drafted per step with --draft (default %(default)s)")
         cache = sub.add_argument_group("prefix cache (README, 'Prefix cache')")
         cache.add_argument("--prefix-cache-gb", type=_positive(float, zero=True), default=1.0,
                            help="bytes for cached MLA pages and KDA checkpoints, in GiB (default: %(default)s)")

@@ -11,15 +11,20 @@ from torch import Tensor
 from k3.model.lm import K3ForCausalLM
 
 
-def sample_next(logits: Tensor, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-                generator: torch.Generator | None = None, min_p: float = 0.0) -> Tensor:
-    """Next token ids ``[B]`` from logits ``[B, V]``; ``temperature == 0`` is greedy (argmax). ``min_p`` drops
-    tokens whose probability (after temperature) is below ``min_p`` times the most likely one's."""
+def _check(temperature: float, top_p: float, top_k: int, min_p: float) -> None:
     if temperature < 0 or not 0 < top_p <= 1 or top_k < 0 or not 0 <= min_p <= 1:
         raise ValueError(f"sampling: need temperature >= 0, 0 < top_p <= 1, top_k >= 0, 0 <= min_p <= 1; got "
                          f"{temperature}, {top_p}, {top_k}, {min_p}")
+
+
+def sampling_logits(logits: Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0,
+                    min_p: float = 0.0) -> Tensor:
+    """The fp64 logits ``[B, V]`` whose softmax a sample at ``temperature > 0`` is drawn from: scaled relative to
+    each row's maximum, then ``min_p``, ``top_k`` and ``top_p`` set to -inf. Shared by `sample_next` and the
+    speculative decoder's `k3.serve.speculative.probabilities` (SPEC §8), so the two cannot disagree."""
+    _check(temperature, top_p, top_k, min_p)
     if temperature == 0:
-        return logits.argmax(-1)
+        raise ValueError("sampling_logits: temperature 0 is greedy (the argmax), not a distribution")
     # Scale in fp64 relative to each row's maximum: every value is <= 0 and the maximum is exactly 0, so any
     # temperature down to the smallest positive double gives finite probabilities (a tiny temperature
     # becomes greedy, ties shared); dividing fp32 logits by such a temperature would overflow to inf/NaN.
@@ -36,7 +41,18 @@ def sample_next(logits: Tensor, temperature: float = 1.0, top_p: float = 1.0, to
         # keep the smallest prefix whose mass reaches top_p (the first token always stays)
         drop = probs.cumsum(-1) - probs >= top_p
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
-    return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
+    return logits
+
+
+def sample_next(logits: Tensor, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+                generator: torch.Generator | None = None, min_p: float = 0.0) -> Tensor:
+    """Next token ids ``[B]`` from logits ``[B, V]``; ``temperature == 0`` is greedy (argmax). ``min_p`` drops
+    tokens whose probability (after temperature) is below ``min_p`` times the most likely one's."""
+    _check(temperature, top_p, top_k, min_p)
+    if temperature == 0:
+        return logits.argmax(-1)
+    probs = sampling_logits(logits, temperature, top_p, top_k, min_p).softmax(-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
 @torch.no_grad()

@@ -9,7 +9,9 @@ Without a state (training) nothing is cached and the returned state is None.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor, nn
@@ -21,7 +23,7 @@ from k3.model.norm import RMSNorm
 from k3.model.pretrained import from_pretrained, save_pretrained
 from k3.model.sequence.kda import KDALayer
 from k3.model.sequence.mla import GatedMLA
-from k3.model.state import DecoderState
+from k3.model.state import DecoderState, Replay
 from k3.model.width import build_ffn
 
 
@@ -53,18 +55,26 @@ class DecoderLayer(nn.Module):
         # `attn_res.key_gain` each retrieval's key RMSNorm also has a learnable gain (the release's *_res_norm).
         self.mixer_query, self.mixer_key_gain = _attn_res_parameters(config)
         self.ffn_query, self.ffn_key_gain = _attn_res_parameters(config)
+        self.capture = False  # keep the retrieved input of the last call in `captured` (speculative drafts)
+        self.captured: Tensor | None = None
 
     def forward(self, depth: BlockAttnRes | Residual, state, padding: Tensor | None = None):
         a, state = self.mix(self.mixer_retrieve(depth), state, padding)
         return self.feed_forward(depth, a), state
 
     def mixer_retrieve(self, depth: BlockAttnRes | Residual) -> Tensor:
-        """The sequence mixer's normalised input, retrieved over depth."""
-        return self.mixer_norm(depth.retrieve(_query(self.mixer_query, self.mixer_key_gain)))
+        """The sequence mixer's normalised input, retrieved over depth. While `capture` is on, the retrieved stream
+        (before the norm: the layer's view of the model so far, the feature a speculative draft reads) is kept in
+        ``captured``."""
+        h = depth.retrieve(_query(self.mixer_query, self.mixer_key_gain))
+        if self.capture:
+            self.captured = h
+        return self.mixer_norm(h)
 
-    def mix(self, x: Tensor, state, padding: Tensor | None = None):
-        """The sequence mixer alone (KDA or MLA) on normalised input ``x``."""
-        return self.mixer(x, state) if self.kind == "kda" else self.mixer(x, state, padding=padding)
+    def mix(self, x: Tensor, state, padding: Tensor | None = None, record: list | None = None):
+        """The sequence mixer alone (KDA or MLA) on normalised input ``x``; a KDA mixer appends its `KDAReplay` to
+        ``record`` when given."""
+        return self.mixer(x, state, record) if self.kind == "kda" else self.mixer(x, state, padding=padding)
 
     def feed_forward(self, depth: BlockAttnRes | Residual, a: Tensor) -> BlockAttnRes | Residual:
         """Retrieve after the mixer output ``a``, apply the FFN / MoE, commit both outputs."""
@@ -137,6 +147,19 @@ class K3ForCausalLM(nn.Module):
             h = h[0, rows]
         return h @ self.embed_tokens.weight.T if self.lm_head is None else self.lm_head(h)
 
+    @contextlib.contextmanager
+    def capture(self, layers: list[int]) -> Iterator[list[DecoderLayer]]:
+        """Within the block, each of ``layers`` (0-based) keeps its retrieved input of the last call in
+        ``.captured`` ``[B, T, d]`` (for `forward_groups`, ``[1, N, d]`` over all groups' tokens)."""
+        chosen = [self.layers[i] for i in layers]
+        for layer in chosen:
+            layer.capture, layer.captured = True, None
+        try:
+            yield chosen
+        finally:
+            for layer in chosen:
+                layer.capture, layer.captured = False, None
+
     def forward(self, input_ids: Tensor | None = None, inputs_embeds: Tensor | None = None,
                 state: DecoderState | None = None) -> tuple[Tensor, DecoderState | None]:
         x = self.embed(input_ids, inputs_embeds)
@@ -159,14 +182,16 @@ class K3ForCausalLM(nn.Module):
         last_sources = depth.stacked()[:, :, -1].transpose(0, 1)  # [B, S, d]
         return logits, DecoderState(layer_states, last_sources, state.position + T, state.padding)
 
-    def forward_groups(self, groups: list[tuple[Tensor, DecoderState]],
-                       full: list[bool] | None = None) -> list[tuple[Tensor, DecoderState]]:
+    def forward_groups(self, groups: list[tuple[Tensor, DecoderState]], full: list[bool] | None = None,
+                       replay: list[bool] | None = None) -> list[tuple[Tensor, DecoderState]]:
         """Continue several batches in one pass (serving: decode rows and a prefill chunk together).
 
         ``groups`` are ``(input_ids [B_g, T_g], state_g)``; returns per group the logits of each row's last
         position ``[B_g, V]`` (with ``full[g]``: of every position, ``[B_g·T_g, V]``, rows first) and the
-        advanced state — what `forward` gives per group. Token-wise work (embedding, AttnRes, norms, FFN / MoE,
-        head) runs once over all tokens; only the sequence mixers run per group.
+        advanced state — what `forward` gives per group. With ``replay[g]`` (batch-1 groups: a speculative
+        verification) the returned state carries a `Replay`, so ``state.accept(n)`` gives the state after only
+        the first n tokens. Token-wise work (embedding, AttnRes, norms, FFN / MoE, head) runs once over all
+        tokens; only the sequence mixers run per group.
         """
         if not groups:
             raise ValueError("groups: expected at least one (input_ids, state) pair")
@@ -179,13 +204,17 @@ class K3ForCausalLM(nn.Module):
         depth = self._start_depth(x)
         sizes = [B * T for B, T in shapes]
         layer_states: list[list] = [[] for _ in groups]
+        replay = replay or [False] * len(groups)
+        records: list[list] = [[] for _ in groups]  # per replayed group, a KDAReplay or None per layer
         for i, layer in enumerate(self.layers):
             h = layer.mixer_retrieve(depth)
             outputs = []
             for g, (part, (_, state)) in enumerate(zip(h.split(sizes, dim=1), groups)):
-                a, layer_state = layer.mix(part.reshape(*shapes[g], -1), state.layers[i], state.padding)
+                record = [] if replay[g] and layer.kind == "kda" else None
+                a, layer_state = layer.mix(part.reshape(*shapes[g], -1), state.layers[i], state.padding, record)
                 outputs.append(a.reshape(1, -1, a.shape[-1]))
                 layer_states[g].append(layer_state)
+                records[g].append(record[0] if record else None)
             depth = layer.feed_forward(depth, torch.cat(outputs, dim=1))
         full = full or [False] * len(groups)
         starts = [0, *itertools.accumulate(sizes)][:-1]  # flat index of each group's first token
@@ -194,10 +223,17 @@ class K3ForCausalLM(nn.Module):
                   zip(starts, shapes, full, last)]
         logits = self._logits(depth, torch.cat(wanted))
         sources = depth.stacked()[:, 0, torch.cat(last)].transpose(0, 1)  # [rows, S, d]
+        stacked = depth.stacked() if any(replay) else None
         out, offset, source = [], 0, 0
         for g, ((B, T), (_, state)) in enumerate(zip(shapes, groups)):
             n = len(wanted[g])
+            pending = None
+            if replay[g]:
+                if B != 1 or state.padding is not None:
+                    raise ValueError(f"groups[{g}]: replay needs a batch-1, unpadded state")
+                run = stacked[:, 0, starts[g]:starts[g] + T].transpose(0, 1).unsqueeze(0)  # [1, T, S, d]
+                pending = Replay(state, records[g], run)
             out.append((logits[offset:offset + n], DecoderState(layer_states[g], sources[source:source + B],
-                                                                state.position + T, state.padding)))
+                                                                state.position + T, state.padding, pending)))
             offset, source = offset + n, source + B
         return out

@@ -21,7 +21,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from k3.model.sequence.kda import KDAState
+from k3.model.sequence.kda import KDAReplay, KDAState
 from k3.model.sequence.mla import MLACache
 
 LayerState = KDAState | MLACache
@@ -37,11 +37,44 @@ def _map(state: LayerState, fn) -> LayerState:
 
 
 @dataclass
+class Replay:
+    """How a state that consumed a run of drafted tokens is rolled back to any prefix of the run (SPEC §8): the
+    state before the run, each KDA layer's `KDAReplay` (None for MLA layers, whose caches are truncated) and the
+    depth sources at every position of the run ``[B, T, S, d]``."""
+
+    before: DecoderState
+    kda: list[KDAReplay | None]
+    depth: Tensor
+
+
+@dataclass
 class DecoderState:
     layers: list[LayerState]
     depth: Tensor | None = None  # [B, S, d]: depth sources at the last position after the final layer
     position: int = 0  # tokens consumed (by the longest row when padded)
     padding: Tensor | None = None  # [B] int64: leading cache positions of each row that are padding
+    replay: Replay | None = None  # set by `K3ForCausalLM.forward_groups(..., replay=...)`: see `accept`
+
+    def accept(self, n: int) -> DecoderState:
+        """The state after only the first ``n`` tokens of the run this state consumed (batch 1, from
+        ``forward_groups(..., replay=[...])``): KDA layers replay their recorded inputs from the state before the
+        run, MLA caches are truncated, the depth sources are those of position ``n − 1``."""
+        r = self.replay
+        if r is None or self.batch_size != 1 or self.padding is not None:
+            raise ValueError("accept: needs a batch-1, unpadded state from forward_groups(..., replay=...)")
+        run = self.position - r.before.position
+        if not 1 <= n <= run:
+            raise ValueError(f"accept: n must be in [1, {run}] (the run's length), got {n}")
+        if n == run:
+            return replace(self, replay=None)
+        layers: list[LayerState] = []
+        for before, now, record in zip(r.before.layers, self.layers, r.kda, strict=True):
+            if record is not None:
+                layers.append(record.advance(before, n))
+            else:
+                keep = before.length + n
+                layers.append(MLACache(now.latent[:, :keep], now.shared_key[:, :keep]))
+        return DecoderState(layers, r.depth[:, n - 1], r.before.position + n)
 
     @property
     def batch_size(self) -> int:
@@ -49,11 +82,14 @@ class DecoderState:
         return (first.conv if isinstance(first, KDAState) else first.latent).shape[0]
 
     def apply(self, fn) -> DecoderState:
-        """A new state with ``fn`` applied to every tensor."""
+        """A new state with ``fn`` applied to every tensor (a pending `Replay` included)."""
         def opt(t: Tensor | None) -> Tensor | None:
             return None if t is None else fn(t)
 
-        return DecoderState([_map(s, fn) for s in self.layers], opt(self.depth), self.position, opt(self.padding))
+        replay = None if self.replay is None else Replay(self.replay.before.apply(fn), [
+            None if r is None else r.apply(fn) for r in self.replay.kda], fn(self.replay.depth))
+        return DecoderState([_map(s, fn) for s in self.layers], opt(self.depth), self.position, opt(self.padding),
+                            replay)
 
     def clone(self) -> DecoderState:
         return self.apply(torch.clone)
@@ -78,6 +114,8 @@ class DecoderState:
         """
         if not states:
             raise ValueError("stack: expected at least one DecoderState")
+        if any(st.replay is not None for st in states):
+            raise ValueError("stack: a state with a pending replay must be `accept`-ed first")
         kinds = [type(s) for s in states[0].layers]
         for i, st in enumerate(states):
             if [type(s) for s in st.layers] != kinds or (st.depth is None) != (states[0].depth is None):

@@ -16,7 +16,8 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from k3.serve.engine import Output, TextProcessor, TokenLogprob
+from k3.serve.engine import Output, TextProcessor
+from k3.serve.sampling import TokenLogprob
 from k3.serve.handler import Reply, Route
 from k3.serve.jobs import Jobs, error_of
 from k3.serve.protocol import APIError, CompletionBody, extend_logprobs, sse, vllm_prompt_logprobs

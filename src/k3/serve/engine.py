@@ -47,7 +47,8 @@ from k3.model.lm import K3ForCausalLM
 from k3.model.state import DecoderState
 from k3.serve.cache import PrefixCache
 from k3.serve.detok import IncrementalDetokenizer
-from k3.serve.sampling import SamplingParams, choose, process
+from k3.serve.drafting import Draft, Drafter, draft_length, eligible, verify_run
+from k3.serve.sampling import SamplingParams, TokenLogprob, choose, process, score_prompt
 from k3.tokenization.bpe import Tokenizer
 
 __all__ = ["SamplingParams", "TokenLogprob", "Output", "Processor", "TextProcessor", "ContextLengthExceeded",
@@ -55,14 +56,6 @@ __all__ = ["SamplingParams", "TokenLogprob", "Output", "Processor", "TextProcess
 
 #: Channels on which stop strings are matched (plain completions, and the chat response).
 STOP_CHANNELS = ("text", "content")
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...]  # the most likely alternatives, best first
-    rank: int | None = None  # 1 + the number of more likely tokens (reported for prompt tokens)
 
 
 @dataclass
@@ -160,7 +153,8 @@ class Engine:
 
     def __init__(self, model: K3ForCausalLM, tokenizer: Tokenizer, *, max_model_len: int | None = None,
                  max_batch: int = 32, prefill_chunk: int = 64, max_waiting: int = 1024,
-                 prefix_cache: PrefixCache | None = None) -> None:
+                 prefix_cache: PrefixCache | None = None, drafter: Drafter | None = None,
+                 num_draft_tokens: int = 4) -> None:
         if tokenizer.vocab_size > model.config.vocab_size:
             raise ValueError(f"tokenizer: {tokenizer.vocab_size} ids but the model has vocab_size "
                              f"{model.config.vocab_size}")
@@ -170,6 +164,8 @@ class Engine:
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.prefix_cache = prefix_cache
+        self.drafter, self.num_draft_tokens = drafter, num_draft_tokens
+        self.speculation: Counter[str] = Counter()  # runs verified, tokens drafted, drafts accepted
         self.max_model_len = min(max_model_len or model.config.context_length, model.config.context_length)
         self.max_batch = max_batch
         self.prefill_chunk = prefill_chunk
@@ -376,18 +372,25 @@ class Engine:
 
     def _forward(self, ready: list[_Request], chunks: list[tuple[_Request, list[int]]]) -> None:
         """One model pass: the decode rows as one group (states stacked), each prefill chunk as a group (with the
-        logits of every position when its request wants prompt log-probabilities). The model call leaves every
-        request's state untouched until it returns (so a failed pass can be retried); sampling is then per
-        request."""
+        logits of every position when its request wants prompt log-probabilities), each speculating request's
+        pending token and drafts as a group (`k3.serve.drafting`). The model call leaves every request's state
+        untouched until it returns (so a failed pass can be retried); sampling is then per request."""
+        drafts = self._drafts(ready)
+        ready = [r for r in ready if r.id not in drafts]
         groups = [(torch.tensor([chunk]), request.state) for request, chunk in chunks]
         full = [request.prompt_logprobs is not None for request, _ in chunks]
+        speculating = [r for r in self.running.values() if r.id in drafts]
+        groups += [(torch.tensor([[r.pending, *drafts[r.id].tokens]]), r.state) for r in speculating]
+        full += [True] * len(speculating)
+        replay = [False] * len(chunks) + [True] * len(speculating)
         if ready:
             ids = [r.id for r in ready]
             if self._batch is None or self._batch[0] != ids:  # reuse last step's stacked state when unchanged
                 self._batch = (ids, DecoderState.stack([r.state for r in ready]))
             groups.append((torch.tensor([[r.pending] for r in ready]), self._batch[1]))
             full.append(False)
-        results = self.model.forward_groups(groups, full=full)
+            replay.append(False)
+        results = self.model.forward_groups(groups, full=full, replay=replay)
         if ready:
             logits, state = results.pop()
             self._batch = (self._batch[0], state)
@@ -395,7 +398,8 @@ class Engine:
                 request.state = row_state
         for (request, chunk), (logits_, state) in zip(chunks, results):
             if request.prompt_logprobs is not None:
-                self._score_prompt(request, logits_, request.prefilled)
+                request.prompt_logprobs += score_prompt(request.prompt, logits_, request.prefilled,
+                                                        request.params.prompt_logprobs)
             request.state, request.prefilled = state, request.prefilled + len(chunk)
             self._checkpoint(request)
             if request.prefilled == len(request.prompt):
@@ -403,22 +407,38 @@ class Engine:
                     self._finish(request, [], None, [], "length")
                 else:
                     self._sample([request], logits_[-1:])
+        for request, (logits_, state) in zip(speculating, results[len(chunks):]):
+            self._verify(request, logits_, state, drafts[request.id])
         if ready:
             self._sample(ready, logits)
 
-    @staticmethod
-    def _score_prompt(request: _Request, logits: Tensor, start: int) -> None:
-        """Log-probabilities of the prompt tokens that positions ``start..`` of a chunk predict."""
-        k = request.params.prompt_logprobs
-        logprobs = logits.float().log_softmax(-1)
-        for t in range(logits.shape[0]):
-            if start + t + 1 < len(request.prompt):
-                target = request.prompt[start + t + 1]
-                top = logprobs[t].topk(k) if k else None
-                value = logprobs[t, target]
-                request.prompt_logprobs.append(TokenLogprob(
-                    target, float(value), () if top is None else tuple(zip(top.indices.tolist(), top.values.tolist())),
-                    1 + int((logprobs[t] > value).sum())))
+    def _drafts(self, ready: list[_Request]) -> dict[str, Draft]:
+        """Proposals of the requests that speculate this step (a drafter, no grammar, room for a draft)."""
+        if self.drafter is None:
+            return {}
+        out = {}
+        for r in ready:
+            gamma = draft_length(self.num_draft_tokens, r.params.max_tokens - len(r.output_ids),
+                                 self.max_model_len - r.state.position - 1)
+            if gamma and eligible(r.params):
+                history = r.prompt + r.output_ids[:-1]
+                out[r.id] = self.drafter.propose(r.id, history, r.pending, r.params, r.prompt, r.output_ids,
+                                                 r.generator, gamma)
+        return out
+
+    def _verify(self, request: _Request, logits: Tensor, state: DecoderState, draft: Draft) -> None:
+        """Keep the accepted drafts and the corrected or bonus token; emit them in order (a stop can end the run)."""
+        try:
+            tokens, request.state, logprobs = verify_run(logits, state, draft, request.params, request.prompt,
+                                                          request.output_ids, request.generator)
+            self.drafter.accept(request.id, len(tokens) - 1)
+            self.speculation.update(runs=1, drafted=len(draft.tokens), accepted=len(tokens) - 1)
+            for token, row in zip(tokens, logprobs):
+                if request.id not in self.running:
+                    break
+                self._emit(request, token, row)
+        except Exception as err:
+            self._fail(request, err)
 
     def _sample(self, requests: list[_Request], logits: Tensor) -> None:
         """Sample and emit each request's next token; a failure (non-finite logits, a processor, sampling or
@@ -516,6 +536,8 @@ class Engine:
         self._deliver(request, self._output(request, deltas, token, info, reason, error))
 
     def _release(self, request: _Request) -> None:
+        if self.drafter is not None:
+            self.drafter.end(request.id)
         if request.pins:
             self.prefix_cache.release(request.pins)
             request.pins = []

@@ -21,7 +21,15 @@ from torch import Tensor
 
 from k3.generation import sample_next
 
-__all__ = ["SamplingParams", "process", "choose"]
+__all__ = ["SamplingParams", "TokenLogprob", "process", "choose", "score_prompt"]
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # the most likely alternatives, best first
+    rank: int | None = None  # 1 + the number of more likely tokens (reported for prompt tokens)
 
 
 @dataclass(frozen=True)
@@ -125,3 +133,18 @@ def choose(row: Tensor, params: SamplingParams, generator: torch.Generator | Non
     if params.temperature == 0:
         return int(row.argmax())
     return int(sample_next(row[None], params.temperature, params.top_p, params.top_k, generator, params.min_p))
+
+
+def score_prompt(prompt: Sequence[int], logits: Tensor, start: int, k: int) -> list[TokenLogprob]:
+    """Log-probabilities (with the ``k`` most likely alternatives and the rank) of the prompt tokens that the
+    positions ``start..`` of a prefill chunk predict, from that chunk's logits ``[T, V]``."""
+    logprobs = logits.float().log_softmax(-1)
+    out = []
+    for t in range(logits.shape[0]):
+        if start + t + 1 < len(prompt):
+            target = prompt[start + t + 1]
+            top = logprobs[t].topk(k) if k else None
+            value = logprobs[t, target]
+            out.append(TokenLogprob(target, float(value), () if top is None else tuple(
+                zip(top.indices.tolist(), top.values.tolist())), 1 + int((logprobs[t] > value).sum())))
+    return out

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +28,34 @@ class KDAState:
 
     conv: Tensor  # [B, conv_size - 1, 2·H·d_k + H·d_v]: the last projected (pre-conv) inputs
     recurrent: Tensor  # [B, H, d_k, d_v], fp32 (fp64 for an fp64 model)
+
+
+@dataclass
+class KDAReplay:
+    """What one KDA layer consumed for a run of (drafted) tokens — the projected ShortConv inputs and the
+    recurrence's q, k, v, g, β — enough to advance its state by any prefix of the run without the other tokens
+    (speculative decoding's replay, SPEC §8): ``T·(2·C + H·(2 + K))`` scalars per row instead of a
+    ``H·K·V + (w−1)·C`` state snapshot per position."""
+
+    conv_in: Tensor  # [B, T, C]
+    q: Tensor  # [B, T, H, K]
+    k: Tensor
+    v: Tensor  # [B, T, H, V]
+    g: Tensor  # [B, T, H, K]
+    beta: Tensor  # [B, T, H]
+
+    def advance(self, state: KDAState, n: int) -> KDAState:
+        """``state`` (before the run) after its first ``n`` tokens, token by token as decoding does."""
+        width = state.conv.shape[1]
+        window = torch.cat([state.conv, self.conv_in[:, :n].to(state.conv.dtype)], dim=1)
+        recurrent = state.recurrent
+        for t in range(n):
+            _, recurrent = kda.step(self.q[:, t], self.k[:, t], self.v[:, t], self.g[:, t], self.beta[:, t],
+                                    recurrent)
+        return KDAState(window[:, window.shape[1] - width:], recurrent)
+
+    def apply(self, fn) -> KDAReplay:
+        return KDAReplay(*(fn(getattr(self, f.name)) for f in fields(self)))
 
 
 class ShortConv(nn.Module):
@@ -147,16 +175,20 @@ class KDALayer(nn.Module):
             return kda.bounded_decay(z, self.A_log[: self.num_heads], self.dt_bias, self.g_min)
         return kda.softplus_decay(z, self.A_log[: self.num_heads], self.dt_bias)
 
-    def forward(self, x: Tensor, state: KDAState | None) -> tuple[Tensor, KDAState | None]:
+    def forward(self, x: Tensor, state: KDAState | None,
+                record: list[KDAReplay] | None = None) -> tuple[Tensor, KDAState | None]:
+        """``record`` (a list): append the run's `KDAReplay`, to advance ``state`` by a prefix of it later."""
         B, T, _ = x.shape
         H, K, V = self.num_heads, self.head_dim, self.value_dim
-        qkv, window = self.conv(torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1),
-                                None if state is None else state.conv)
+        conv_in = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)
+        qkv, window = self.conv(conv_in, None if state is None else state.conv)
         q, k, v = qkv.split([H * K, H * K, H * V], dim=-1)
         q, k = kda.l2norm(q.unflatten(-1, (H, K))), kda.l2norm(k.unflatten(-1, (H, K)))
         v = v.unflatten(-1, (H, V))
         g = self.decay(x)
         beta = torch.sigmoid(_at_least_fp32(self.b_proj(x)))
+        if record is not None:
+            record.append(KDAReplay(conv_in, q, k, v, g, beta))
         initial = None if state is None else state.recurrent
         if T == 1 and initial is not None:
             o, final = kda.step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], initial)

@@ -1,0 +1,165 @@
+"""Speculative decoding in the engine (issue 14): greedy tokens and logprobs equal plain decoding, the state after
+every step equals sequential decoding of the accepted tokens, sampled tokens follow the target's distribution."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import serving
+from k3.model.sequence.kda import KDAState
+from k3.serve.drafting import ModelDrafter
+from k3.serve.engine import Engine, SamplingParams
+from k3.serve.sampling import process
+from k3.serve.speculative import probabilities
+
+PROMPTS = serving.prompts()[:4]
+
+
+def drafters():
+    return {"same weights (all accepted)": lambda: ModelDrafter(serving.model(seed=0)),
+            "other weights (mostly rejected)": lambda: ModelDrafter(serving.model(seed=1))}
+
+
+def run(engine: Engine, jobs, check=None) -> list[tuple[list[int], list[float], str]]:
+    out = [([], [], None) for _ in jobs]
+
+    def callback(i):
+        def push(o):
+            out[i][0].extend(o.token_ids)
+            out[i][1].extend(t.logprob for t in o.logprobs)
+            if o.finish_reason is not None:
+                out[i] = (out[i][0], out[i][1], o.finish_reason)
+        return push
+
+    engine.add_requests([(p, q, None, callback(i)) for i, (p, q) in enumerate(jobs)])
+    while engine.has_work():
+        engine.step()
+        if check is not None:
+            check(engine)
+    return out
+
+
+def reference_state(model, tokens: list[int]):
+    """The state of reading ``tokens`` in one pass from scratch."""
+    with torch.no_grad():
+        return model(torch.tensor([tokens]), state=model.new_state(1))[1]
+
+
+def assert_state_close(got, want) -> None:
+    assert got.position == want.position
+    for a, b in zip(got.layers, want.layers, strict=True):
+        names = ("conv", "recurrent") if isinstance(a, KDAState) else ("latent", "shared_key")
+        for name in names:
+            torch.testing.assert_close(getattr(a, name), getattr(b, name), rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("kind", list(drafters()))
+@pytest.mark.parametrize("chunk", [8, 64])
+def test_greedy_tokens_and_logprobs_equal_plain_decoding(model, tok, kind, chunk):
+    params = SamplingParams(max_tokens=14, temperature=0, logprobs=2)
+    plain = run(Engine(model, tok, prefill_chunk=chunk), [(p, params) for p in PROMPTS])
+    spec = Engine(model, tok, prefill_chunk=chunk, drafter=drafters()[kind](), num_draft_tokens=3)
+    together = run(spec, [(p, params) for p in PROMPTS])
+    alone = [run(spec, [(p, params)])[0] for p in PROMPTS]
+    for (tokens, logprobs, reason), (t1, l1, r1), (t2, l2, r2) in zip(plain, together, alone, strict=True):
+        assert tokens == t1 == t2 and reason == r1 == r2
+        assert l1 == pytest.approx(logprobs, abs=1e-4) and l2 == pytest.approx(logprobs, abs=1e-4)
+
+
+def test_speculating_and_plain_requests_share_batches(model, tok):
+    greedy = SamplingParams(max_tokens=10, temperature=0)
+    constrained_like = SamplingParams(max_tokens=10, temperature=0, repetition_penalty=1.3)
+    jobs = [(PROMPTS[0], greedy), (PROMPTS[1], constrained_like), (PROMPTS[2], greedy)]
+    plain = run(Engine(model, tok), jobs)
+    spec = run(Engine(model, tok, drafter=ModelDrafter(serving.model(seed=1)), num_draft_tokens=4), jobs)
+    assert [t for t, _, _ in plain] == [t for t, _, _ in spec]
+
+
+@pytest.mark.parametrize("kind", list(drafters()))
+def test_the_state_after_every_step_equals_sequential_decoding(model, tok, kind):
+    """Zero drafts (a request near max_tokens), all rejected, all accepted plus bonus, a stop string or
+    max_tokens inside an accepted run, requests joining and leaving: after every step each running request's
+    state is that of sequential decoding of what it consumed."""
+    engine = Engine(model, tok, drafter=drafters()[kind](), num_draft_tokens=4)
+    text = "".join(t for o in Engine(model, tok).generate(PROMPTS[1], SamplingParams(max_tokens=12, temperature=0))
+                   for _, t in o.deltas)
+    stop = text[4:6]
+    jobs = [(PROMPTS[0], SamplingParams(max_tokens=13, temperature=0)),
+            (PROMPTS[1], SamplingParams(max_tokens=30, temperature=0, stop=(stop,))),
+            (PROMPTS[2], SamplingParams(max_tokens=2, temperature=0)),
+            (PROMPTS[3], SamplingParams(max_tokens=9, temperature=0.8, seed=4)),
+            (PROMPTS[0], SamplingParams(max_tokens=6, temperature=0))]
+    checked = [0]
+
+    def check(e: Engine) -> None:
+        for r in e.running.values():
+            if r.pending is None:
+                continue
+            consumed = r.prompt + r.output_ids[:-1]
+            assert_state_close(r.state, reference_state(model, consumed))
+            checked[0] += 1
+
+    engine.add_request(PROMPTS[0], SamplingParams(max_tokens=40, temperature=0), request_id="leaves")
+    engine.step()
+    engine.step()  # prefilled, then one speculative step
+    assert engine.abort("leaves") and engine.finished["abort"] == 1
+    out = run(engine, jobs, check)
+    assert checked[0] > 5
+    stats = engine.speculation
+    assert stats["runs"] > 5 and (stats["accepted"] == stats["drafted"] if kind.startswith("same")
+                                  else stats["accepted"] < stats["drafted"])
+    assert out[1][2] == "stop" and out[2][0] and len(out[2][0]) == 2
+
+
+def test_sampled_tokens_follow_the_target_distribution(model, tok):
+    """The first two sampled tokens (top_k 3, temperature 1.3), speculating with a different draft model: counts
+    over 1,200 runs against the exact joint distribution of the target (chi-square, 8 degrees of freedom)."""
+    params = SamplingParams(max_tokens=2, temperature=1.3, top_k=3)
+    prompt = PROMPTS[1]
+    with torch.no_grad():
+        logits, state = model(torch.tensor([prompt]), state=model.new_state(1))
+        p0 = probabilities(process(logits[0, -1].float(), params, prompt, []), params)
+        joint = {}
+        for a in p0.nonzero().flatten().tolist():
+            logits1, _ = model(torch.tensor([[a]]), state=state)
+            p1 = probabilities(process(logits1[0, -1].float(), params, prompt, [a]), params)
+            for b in p1.nonzero().flatten().tolist():
+                joint[(a, b)] = float(p0[a] * p1[b])
+    engine = Engine(model, tok, drafter=ModelDrafter(serving.model(seed=1)), num_draft_tokens=1)
+    n = 1200
+    counts: dict[tuple[int, int], int] = {}
+    for seed in range(n):
+        tokens = run(engine, [(prompt, SamplingParams(max_tokens=2, temperature=1.3, top_k=3, seed=seed))])[0][0]
+        counts[tuple(tokens)] = counts.get(tuple(tokens), 0) + 1
+    assert set(counts) <= set(joint)
+    chi2 = sum((counts.get(cell, 0) - n * p) ** 2 / (n * p) for cell, p in joint.items())
+    dof = len(joint) - 1
+    # Wilson–Hilferty: the chi-square quantile at p = 0.001 for `dof` degrees of freedom
+    z = 3.09
+    limit = dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+    assert chi2 < limit, (chi2, limit, counts, joint)
+
+
+def test_k3_chat_with_a_draft_checkpoint_answers_as_without(tmp_path, monkeypatch, capsys):
+    import io
+    import sys
+
+    from k3.cli import main
+    from k3.model.checkpoint import save_model
+
+    target = save_model(tmp_path / "target", serving.model(), serving.tokenizer())
+    draft = save_model(tmp_path / "draft", serving.model(seed=1), serving.tokenizer())
+    answers = []
+    for extra in ([], ["--draft", str(draft), "--num-draft-tokens", "3"]):
+        monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n/quit\n"))
+        assert main(["chat", "--ckpt", str(target), "--max-tokens", "12", "--temperature", "0", *extra]) == 0
+        answers.append(capsys.readouterr().out)
+    assert answers[0] == answers[1]
+    (tmp_path / "eagle").mkdir()
+    (tmp_path / "eagle" / "draft.json").write_text("{}")
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))
+    assert main(["chat", "--ckpt", str(target), "--draft", str(tmp_path / "eagle")]) == 2
+    assert "EAGLE-3 draft" in capsys.readouterr().err
