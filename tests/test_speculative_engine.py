@@ -10,7 +10,8 @@ import torch
 
 import serving
 from k3.model.sequence.kda import KDAState
-from k3.serve.drafting import ModelDrafter
+from k3.model.draft import DraftConfig, EagleDraft
+from k3.serve.drafting import EagleDrafter, ModelDrafter
 from k3.serve.engine import Engine, SamplingParams
 from k3.serve.sampling import process
 from k3.serve.speculative import probabilities
@@ -19,8 +20,9 @@ PROMPTS = serving.prompts()[:4]
 
 
 def drafters():
-    return {"same weights (all accepted)": lambda: ModelDrafter(serving.model(seed=0)),
-            "other weights (mostly rejected)": lambda: ModelDrafter(serving.model(seed=1))}
+    return {"same weights (all accepted)": lambda target: ModelDrafter(serving.model(seed=0)),
+            "other weights (mostly rejected)": lambda target: ModelDrafter(serving.model(seed=1)),
+            "eagle-3 (untrained)": lambda target: EagleDrafter(EagleDraft(target, DraftConfig(layer_kind="kda")))}
 
 
 def run(engine: Engine, jobs, check=None) -> list[tuple[list[int], list[float], str]]:
@@ -61,7 +63,7 @@ def assert_state_close(got, want) -> None:
 def test_greedy_tokens_and_logprobs_equal_plain_decoding(model, tok, kind, chunk):
     params = SamplingParams(max_tokens=14, temperature=0, logprobs=2)
     plain = run(Engine(model, tok, prefill_chunk=chunk), [(p, params) for p in PROMPTS])
-    spec = Engine(model, tok, prefill_chunk=chunk, drafter=drafters()[kind](), num_draft_tokens=3)
+    spec = Engine(model, tok, prefill_chunk=chunk, drafter=drafters()[kind](model), num_draft_tokens=3)
     together = run(spec, [(p, params) for p in PROMPTS])
     alone = [run(spec, [(p, params)])[0] for p in PROMPTS]
     for (tokens, logprobs, reason), (t1, l1, r1), (t2, l2, r2) in zip(plain, together, alone, strict=True):
@@ -83,7 +85,7 @@ def test_the_state_after_every_step_equals_sequential_decoding(model, tok, kind)
     """Zero drafts (a request near max_tokens), all rejected, all accepted plus bonus, a stop string or
     max_tokens inside an accepted run, requests joining and leaving: after every step each running request's
     state is that of sequential decoding of what it consumed."""
-    engine = Engine(model, tok, drafter=drafters()[kind](), num_draft_tokens=4)
+    engine = Engine(model, tok, drafter=drafters()[kind](model), num_draft_tokens=4)
     text = "".join(t for o in Engine(model, tok).generate(PROMPTS[1], SamplingParams(max_tokens=12, temperature=0))
                    for _, t in o.deltas)
     stop = text[4:6]
@@ -158,8 +160,12 @@ def test_k3_chat_with_a_draft_checkpoint_answers_as_without(tmp_path, monkeypatc
         assert main(["chat", "--ckpt", str(target), "--max-tokens", "12", "--temperature", "0", *extra]) == 0
         answers.append(capsys.readouterr().out)
     assert answers[0] == answers[1]
-    (tmp_path / "eagle").mkdir()
-    (tmp_path / "eagle" / "draft.json").write_text("{}")
+    eagle = EagleDraft(serving.model(), DraftConfig(layer_kind="mla")).save(tmp_path / "eagle")
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n/quit\n"))
+    assert main(["chat", "--ckpt", str(target), "--max-tokens", "12", "--temperature", "0", "--draft", str(eagle)]) == 0
+    assert capsys.readouterr().out == answers[0]
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "draft.json").write_text("{}")
     monkeypatch.setattr(sys, "stdin", io.StringIO(""))
-    assert main(["chat", "--ckpt", str(target), "--draft", str(tmp_path / "eagle")]) == 2
-    assert "EAGLE-3 draft" in capsys.readouterr().err
+    assert main(["chat", "--ckpt", str(target), "--draft", str(tmp_path / "broken")]) == 2
+    assert "draft" in capsys.readouterr().err

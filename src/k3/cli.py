@@ -177,14 +177,17 @@ def _engine(args: argparse.Namespace, **options):
 
 
 def _drafter(args: argparse.Namespace, target):
-    """`--draft DIR`: a small kimi-k3 checkpoint with the target's vocabulary drafts for speculative decoding."""
+    """`--draft DIR`: an EAGLE-3 draft (`k3 train-draft`, a run or checkpoint directory) or a small kimi-k3
+    checkpoint with the target's vocabulary drafts for speculative decoding."""
     if args.draft is None:
         return None
-    from k3.serve.drafting import ModelDrafter
+    from k3.model.draft import EagleDraft
+    from k3.serve.drafting import EagleDrafter, ModelDrafter
 
-    if (Path(args.draft) / "draft.json").exists():
-        raise ValueError(f"--draft {args.draft}: an EAGLE-3 draft (k3 train-draft) cannot be served yet; give a "
-                         f"small kimi-k3 checkpoint with the target's vocabulary")
+    path = Path(args.draft)
+    if (path / "draft.json").exists() or (path / "latest").exists() and not (path / "model.safetensors").exists() \
+            and any(path.glob("step-*/draft.json")):
+        return EagleDrafter(EagleDraft.load(path, target))
     draft, _ = _load(args.draft)
     if draft.config.vocab_size != target.config.vocab_size:
         raise ValueError(f"--draft {args.draft}: vocabulary {draft.config.vocab_size} differs from the target's "
@@ -417,7 +420,8 @@ def main(argv: list[str] | None = None) -> int:
         sub.add_argument("--prefill-chunk", type=int, default=64,
                          help="prompt tokens prefilled per step while other requests decode (their latency vs "
                               "the new prompt's time to first token)")
-        sub.add_argument("--draft", help="a small checkpoint (same vocabulary) that drafts for speculative decoding")
+        sub.add_argument("--draft", help="speculative decoding: an EAGLE-3 draft (k3 train-draft) or a small "
+                         "checkpoint with the same vocabulary")
         sub.add_argument("--num-draft-tokens", type=_positive(int), default=4,
                          help="tokens drafted per step with --draft (default %(default)s)")
         cache = sub.add_argument_group("prefix cache (README, 'Prefix cache')")

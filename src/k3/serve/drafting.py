@@ -10,8 +10,9 @@ advances the target state to the accepted prefix with ``state.accept(n + 1)`` �
 inputs, not a snapshot per drafted position. Greedy requests accept while the target's argmax agrees, so their
 tokens are exactly those of plain decoding.
 
-`ModelDrafter` drafts with a small independent K3 model (classic speculative decoding); its per-request draft
-states are immutable values, so rolling the draft back to the accepted prefix is choosing one of them.
+`EagleDrafter` drafts with an EAGLE-3 draft that reads the target's features (`observe`); `ModelDrafter` with a
+small independent K3 model (classic speculative decoding), whose per-request draft states are immutable values,
+so rolling the draft back to the accepted prefix is choosing one of them.
 """
 
 from __future__ import annotations
@@ -22,12 +23,13 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from k3.model.draft import DraftState, EagleDraft
 from k3.model.lm import K3ForCausalLM
 from k3.model.state import DecoderState
 from k3.serve.sampling import SamplingParams, process
 from k3.serve.speculative import probabilities, verify, verify_greedy
 
-__all__ = ["Draft", "Drafter", "ModelDrafter", "verify_run"]
+__all__ = ["Draft", "Drafter", "EagleDrafter", "ModelDrafter", "proposals", "verify_run"]
 
 
 @dataclass
@@ -39,7 +41,14 @@ class Draft:
 
 
 class Drafter(Protocol):
-    """Proposes tokens for one request at a time; keyed by the engine's request id."""
+    """Proposes tokens for one request at a time; keyed by the engine's request id. ``feature_layers`` (None for
+    a drafter that does not read the target) are the target layers whose retrieved inputs `observe` receives."""
+
+    feature_layers: tuple[int, ...] | None
+
+    def observe(self, request_id: str, tokens: list[int], features: Tensor | None) -> None:
+        """The target consumed ``tokens`` (a prefill chunk, a decode token, or a verified run's kept tokens) and
+        produced ``features`` ``[T, len(feature_layers), d]`` at them."""
 
     def propose(self, request_id: str, history: list[int], pending: int, params: SamplingParams, prompt: list[int],
                 output: list[int], generator: torch.Generator | None, gamma: int) -> Draft: ...
@@ -54,10 +63,15 @@ class Drafter(Protocol):
 class ModelDrafter:
     """Drafts with an independent small `K3ForCausalLM` sharing the target's vocabulary."""
 
+    feature_layers = None
+
     def __init__(self, model: K3ForCausalLM) -> None:
         self.model = model.eval()
         self._states: dict[str, DecoderState] = {}  # per request: consumed everything before its pending token
         self._proposed: dict[str, tuple[list[DecoderState], list[int]]] = {}  # the last proposal: states, tokens
+
+    def observe(self, request_id: str, tokens: list[int], features: Tensor | None) -> None:
+        """The draft reads the tokens itself (`propose`, `accept`)."""
 
     @torch.inference_mode()
     def propose(self, request_id: str, history: list[int], pending: int, params: SamplingParams, prompt: list[int],
@@ -92,6 +106,47 @@ class ModelDrafter:
         self._proposed.pop(request_id, None)
 
 
+@dataclass
+class _Sequence:
+    state: DraftState
+    feature: Tensor | None = None  # the fused target feature at the last position the target consumed
+
+
+class EagleDrafter:
+    """Drafts with an EAGLE-3 draft (`k3.model.draft.EagleDraft`) from the target's own features: every position
+    the target consumes is paired with the next token and read by the draft with its *true* fused feature, so
+    after a verification the draft continues exactly from the accepted prefix."""
+
+    def __init__(self, draft: EagleDraft) -> None:
+        self.draft = draft.eval()
+        self.feature_layers = draft.config.feature_layers
+        self._sequences: dict[str, _Sequence] = {}
+
+    @torch.inference_mode()
+    def observe(self, request_id: str, tokens: list[int], features: Tensor | None) -> None:
+        seq = self._sequences.setdefault(request_id, _Sequence(self.draft.new_state(1)))
+        fused = self.draft.fuse(list(features.unbind(-2)))  # [T, d]
+        previous = [] if seq.feature is None else [seq.feature[None]]
+        hidden = torch.cat([*previous, fused[:-1]])
+        paired = tokens if seq.feature is not None else tokens[1:]
+        if paired:
+            _, _, seq.state = self.draft(torch.tensor([paired]), hidden[None], seq.state)
+        seq.feature = fused[-1]
+
+    @torch.inference_mode()
+    def propose(self, request_id: str, history: list[int], pending: int, params: SamplingParams, prompt: list[int],
+                output: list[int], generator: torch.Generator | None, gamma: int) -> Draft:
+        seq = self._sequences[request_id]
+        tokens, q, _ = self.draft.propose(seq.feature, pending, seq.state, gamma, params, probabilities, generator)
+        return Draft(tokens, q)
+
+    def accept(self, request_id: str, accepted: int) -> None:
+        """Nothing to undo: the draft reads the kept tokens with the target's features (`observe`)."""
+
+    def end(self, request_id: str) -> None:
+        self._sequences.pop(request_id, None)
+
+
 def verify_run(logits: Tensor, state: DecoderState, draft: Draft, params: SamplingParams, prompt: list[int],
                output: list[int], generator: torch.Generator | None) -> tuple[list[int], DecoderState, list[Tensor]]:
     """From the target's logits ``[γ+1, V]`` at ``[pending, d_1 … d_γ]``: the tokens to emit (the accepted drafts,
@@ -108,13 +163,17 @@ def verify_run(logits: Tensor, state: DecoderState, draft: Draft, params: Sampli
     return draft.tokens[:n] + [token], state.accept(n + 1), [raw[i] for i in range(n + 1)]
 
 
-def draft_length(gamma: int, remaining_tokens: int, room: int) -> int:
-    """γ for one step: no more drafts than tokens the request may still emit (one is the bonus) or the context
-    holds."""
-    return max(0, min(gamma, remaining_tokens - 1, room - 1))
-
-
-def eligible(params: SamplingParams) -> bool:
-    """Whether a request may speculate: not under a grammar (its matcher would have to roll back)."""
-    return params.constraint is None
+def proposals(drafter: Drafter | None, requests: list, gamma: int, max_model_len: int) -> dict[str, Draft]:
+    """This step's drafts of the engine's decoding ``requests`` that speculate: not under a grammar (its matcher
+    would have to roll back), and with room for a draft — no more drafts than tokens the request may still emit
+    (one is the bonus) or the context holds."""
+    if drafter is None:
+        return {}
+    out = {}
+    for r in requests:
+        length = min(gamma, r.params.max_tokens - len(r.output_ids) - 1, max_model_len - r.state.position - 2)
+        if length > 0 and r.params.constraint is None:
+            out[r.id] = drafter.propose(r.id, r.prompt + r.output_ids[:-1], r.pending, r.params, r.prompt,
+                                        r.output_ids, r.generator, length)
+    return out
 

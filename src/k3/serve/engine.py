@@ -47,7 +47,7 @@ from k3.model.lm import K3ForCausalLM
 from k3.model.state import DecoderState
 from k3.serve.cache import PrefixCache
 from k3.serve.detok import IncrementalDetokenizer
-from k3.serve.drafting import Draft, Drafter, draft_length, eligible, verify_run
+from k3.serve.drafting import Draft, Drafter, proposals, verify_run
 from k3.serve.sampling import SamplingParams, TokenLogprob, choose, process, score_prompt
 from k3.tokenization.bpe import Tokenizer
 
@@ -375,7 +375,7 @@ class Engine:
         logits of every position when its request wants prompt log-probabilities), each speculating request's
         pending token and drafts as a group (`k3.serve.drafting`). The model call leaves every request's state
         untouched until it returns (so a failed pass can be retried); sampling is then per request."""
-        drafts = self._drafts(ready)
+        drafts = proposals(self.drafter, ready, self.num_draft_tokens, self.max_model_len)
         ready = [r for r in ready if r.id not in drafts]
         groups = [(torch.tensor([chunk]), request.state) for request, chunk in chunks]
         full = [request.prompt_logprobs is not None for request, _ in chunks]
@@ -390,7 +390,14 @@ class Engine:
             groups.append((torch.tensor([[r.pending] for r in ready]), self._batch[1]))
             full.append(False)
             replay.append(False)
-        results = self.model.forward_groups(groups, full=full, replay=replay)
+        consumed = [chunk for _, chunk in chunks] + [[r.pending, *drafts[r.id].tokens] for r in speculating] + \
+            [[r.pending] for r in ready]
+        results, features = self._call(groups, full, replay, consumed)
+        observe = self.drafter.observe if features is not None else (lambda *_: None)
+        for (request, chunk), f in zip(chunks, features or []):
+            observe(request.id, chunk, f)
+        for r, f in zip(ready, (features or [])[len(chunks) + len(speculating):]):
+            observe(r.id, [r.pending], f)
         if ready:
             logits, state = results.pop()
             self._batch = (self._batch[0], state)
@@ -407,31 +414,34 @@ class Engine:
                     self._finish(request, [], None, [], "length")
                 else:
                     self._sample([request], logits_[-1:])
-        for request, (logits_, state) in zip(speculating, results[len(chunks):]):
-            self._verify(request, logits_, state, drafts[request.id])
+        for i, (request, (logits_, state)) in enumerate(zip(speculating, results[len(chunks):])):
+            self._verify(request, logits_, state, drafts[request.id],
+                         None if features is None else features[len(chunks) + i])
         if ready:
             self._sample(ready, logits)
 
-    def _drafts(self, ready: list[_Request]) -> dict[str, Draft]:
-        """Proposals of the requests that speculate this step (a drafter, no grammar, room for a draft)."""
-        if self.drafter is None:
-            return {}
-        out = {}
-        for r in ready:
-            gamma = draft_length(self.num_draft_tokens, r.params.max_tokens - len(r.output_ids),
-                                 self.max_model_len - r.state.position - 1)
-            if gamma and eligible(r.params):
-                history = r.prompt + r.output_ids[:-1]
-                out[r.id] = self.drafter.propose(r.id, history, r.pending, r.params, r.prompt, r.output_ids,
-                                                 r.generator, gamma)
-        return out
+    def _call(self, groups: list, full: list[bool], replay: list[bool],
+              consumed: list[list[int]]) -> tuple[list, list[Tensor] | None]:
+        """`forward_groups`; for a drafter that reads the target, also each group's features ``[T, layers, d]``
+        at its consumed tokens (a decode group's rows one by one)."""
+        layers = None if self.drafter is None else self.drafter.feature_layers
+        if not layers:
+            return self.model.forward_groups(groups, full=full, replay=replay), None
+        with self.model.capture(list(layers)) as captured:
+            results = self.model.forward_groups(groups, full=full, replay=replay)
+            features = torch.stack([layer.captured[0] for layer in captured], dim=-2)  # [N, layers, d]
+        return results, list(features.split([len(c) for c in consumed]))
 
-    def _verify(self, request: _Request, logits: Tensor, state: DecoderState, draft: Draft) -> None:
+    def _verify(self, request: _Request, logits: Tensor, state: DecoderState, draft: Draft,
+                features: Tensor | None) -> None:
         """Keep the accepted drafts and the corrected or bonus token; emit them in order (a stop can end the run)."""
         try:
+            pending = request.pending
             tokens, request.state, logprobs = verify_run(logits, state, draft, request.params, request.prompt,
                                                           request.output_ids, request.generator)
             self.drafter.accept(request.id, len(tokens) - 1)
+            if features is not None:  # the target kept `pending` and the accepted drafts
+                self.drafter.observe(request.id, [pending, *tokens[:-1]], features[:len(tokens)])
             self.speculation.update(runs=1, drafted=len(draft.tokens), accepted=len(tokens) - 1)
             for token, row in zip(tokens, logprobs):
                 if request.id not in self.running:
