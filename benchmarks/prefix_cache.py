@@ -119,7 +119,8 @@ def main() -> None:
                        ("ttft_p99_off_ms", "TTFT p99 off ms"), ("ttft_p99_on_ms", "TTFT p99 on ms")]))
     kinds = config.layer_kinds()
     block = caches["chat"].block
-    page = next(e.nbytes for k, e in caches["chat"]._entries.items() if k[0] == "page") / block
+    page = next(e.nbytes for k, e in caches["chat"]._entries.items() if k[0] == "page") / (
+        block * caches["chat"].page_blocks)
     checkpoint = next(e.nbytes for k, e in caches["chat"]._entries.items() if k[0] == "checkpoint")
     every = block * caches["chat"].checkpoint_every
     sizes = {"mla_page_bytes_per_token": page, "kda_checkpoint_bytes": checkpoint,

@@ -139,16 +139,44 @@ def test_eviction_frees_unpinned_entries_and_keeps_chains_from_the_front(model):
     cache = new_cache(model, budget=10**9)
     state = full_prefill(model, tokens[:128], [64])
     cache.insert(tokens[:128], state)
-    page = next(e.nbytes for k, e in cache._entries.items() if k[0] == "page")
+    pages = [e for k, e in cache._entries.items() if k[0] == "page"]
     checkpoint = next(e.nbytes for k, e in cache._entries.items() if k[0] == "checkpoint")
+    assert len(pages) == 2 and [len(p.slots) for p in pages] == [4, 4]  # 8 blocks in 2 physical pages of 4
     hit = cache.lookup(tokens)
-    cache.budget = 4 * page + checkpoint  # too small for all 8 pages: the later ones go first
+    cache.budget = pages[0].nbytes + checkpoint  # room for one page: the later one goes first
     cache.release(hit.keys)
-    assert cache.bytes_used <= cache.budget and cache.stats.evictions > 0
-    assert cache.lookup(tokens) is None  # the checkpoint at 128 needs all 8 pages
+    assert cache.bytes_used <= cache.budget and cache.stats.evictions == 1
+    assert cache.lookup(tokens) is None  # the checkpoint at 128 needs all 8 blocks
     cache.budget = 0
     cache.release([])
     assert len(cache) == 0 and cache.bytes_used == 0
+
+
+def test_pages_are_physical_allocations_shared_until_a_chain_diverges(model):
+    """A page holds 4 hash blocks of one chain and is charged whole; a chain diverging inside it continues in a
+    page of its own while the shared blocks stay where they are."""
+    rng = random.Random(7)
+    tokens = words(rng, 100)
+    other = tokens[:40] + words(rng, 60)  # shares blocks 0-1, diverges in block 2 (inside page 0)
+    cache = new_cache(model)
+    cache.insert(tokens[:64], full_prefill(model, tokens[:64], [32]))
+    charged = cache.bytes_used
+    cache.insert(other[:64], full_prefill(model, other[:64], [32]))
+    pages = {k: e for k, e in cache._entries.items() if k[0] == "page"}
+    assert len(pages) == 2 and sorted(len(e.slots) for e in pages.values()) == [2, 4]
+    page = next(iter(pages.values())).nbytes
+    assert {e.nbytes for e in pages.values()} == {page}  # a partly used page costs a whole page
+    checkpoint = next(e.nbytes for k, e in cache._entries.items() if k[0] == "checkpoint")
+    assert cache.bytes_used - charged == page + checkpoint  # the diverging chain: one new page, one checkpoint
+    for prompt in (tokens[:70], other[:70]):
+        hit = cache.lookup(prompt)
+        assert hit.length == 64
+        want = full_prefill(model, prompt[:64], [32])
+        for got, ref in zip(hit.state.layers, want.layers, strict=True):
+            if not isinstance(got, KDAState):
+                torch.testing.assert_close(got.latent, ref.latent, rtol=0, atol=1e-5)
+        cache.release(hit.keys)
+    assert cache.pinned() == 0
 
 
 # ---------------------------------------------------------------------------------------------- pins and aborts

@@ -170,7 +170,8 @@ def _engine(args: argparse.Namespace, **options):
 
     model, tokenizer = _load(args.ckpt)
     cache = None if args.no_prefix_cache else PrefixCache.for_model(
-        model, tokenizer, int(args.prefix_cache_gb * 2**30), args.cache_block_tokens, args.cache_checkpoint_every)
+        model, tokenizer, int(args.prefix_cache_gb * 2**30), args.cache_block_tokens, args.cache_checkpoint_every,
+        args.cache_page_blocks)
     return Engine(model, tokenizer, max_model_len=args.max_model_len, max_batch=args.max_batch,
                   prefill_chunk=args.prefill_chunk, prefix_cache=cache, drafter=_drafter(args, model),
                   num_draft_tokens=args.num_draft_tokens, **options)
@@ -432,6 +433,8 @@ def main(argv: list[str] | None = None) -> int:
                            help="tokens per hash block (the paper's 512; default %(default)s for small models)")
         cache.add_argument("--cache-checkpoint-every", type=_positive(int), default=8,
                            help="KDA checkpoint every N hash blocks of a long prompt (default %(default)s)")
+        cache.add_argument("--cache-page-blocks", type=_positive(int), default=4,
+                           help="hash blocks per physical MLA page, the unit of allocation (default %(default)s)")
         sub.set_defaults(run=run)
         if name == "serve":
             sub.add_argument("--host", default="127.0.0.1")

@@ -5,8 +5,11 @@ A prompt is cut into *hash blocks* of ``block_tokens`` tokens; block i's key is 
 so two requests share a block only when their whole prefixes are identical. Two kinds of entry share one byte
 budget and one LRU order:
 
-* an **MLA page**: the rows of one hash block in every MLA layer's cache (KV latent + shared key) — what a
-  pure-attention server caches;
+* an **MLA page**: a physical allocation of ``page_blocks`` hash blocks (the paper pages 1,024–6,144 tokens over
+  512-token hashes) holding, for the blocks of one chain, their rows in every MLA layer's cache (KV latent + shared
+  key) — what a pure-attention server caches. A page is charged whole when allocated; its blocks become matchable
+  one by one as they are written. A chain that diverges from another inside a page continues in a page of its
+  own (the shared blocks stay where they are);
 * a **KDA checkpoint**: the model's whole non-attention state exactly after a block boundary — every KDA layer's
   recurrent state and ShortConv window, and the AttnRes depth sources of the last position. Restoring a hybrid
   model at a boundary needs one; a boundary without one cannot be resumed however many pages match.
@@ -57,6 +60,7 @@ class _Entry:
     tensors: tuple[Tensor, ...]  # a page: (latent, shared_key) per MLA layer; a checkpoint: see `_checkpoint`
     nbytes: int
     pins: int = 0
+    slots: dict[int, bytes] = field(default_factory=dict)  # a page: slot -> the block key written there
 
 
 @dataclass
@@ -76,27 +80,29 @@ class PrefixCache:
     """Pages and checkpoints of one model under a byte budget (thread-safe)."""
 
     def __init__(self, kinds: list[str], budget_bytes: int, block_tokens: int = 64, checkpoint_every: int = 8,
-                 namespace: str = "") -> None:
-        if block_tokens < 1 or checkpoint_every < 1 or budget_bytes < 0:
-            raise ValueError(f"prefix cache: need block_tokens >= 1, checkpoint_every >= 1, budget >= 0; got "
-                             f"{block_tokens}, {checkpoint_every}, {budget_bytes}")
-        self.kinds, self.budget, self.block = kinds, budget_bytes, block_tokens
+                 namespace: str = "", page_blocks: int = 4) -> None:
+        if block_tokens < 1 or checkpoint_every < 1 or page_blocks < 1 or budget_bytes < 0:
+            raise ValueError(f"prefix cache: need block_tokens, checkpoint_every, page_blocks >= 1 and budget >= 0; "
+                             f"got {block_tokens}, {checkpoint_every}, {page_blocks}, {budget_bytes}")
+        self.kinds, self.budget, self.block, self.page_blocks = kinds, budget_bytes, block_tokens, page_blocks
         self.checkpoint_every, self.namespace = checkpoint_every, namespace
         self.stats = CacheStats()
         self._entries: OrderedDict[tuple[str, bytes], _Entry] = OrderedDict()  # LRU first
+        self._blocks: dict[bytes, tuple[tuple[str, bytes], int]] = {}  # written block -> (its page, slot)
         self._bytes = 0
         self._lock = threading.Lock()
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, tokenizer: object, budget_bytes: int, block_tokens: int = 64,
-                  checkpoint_every: int = 8) -> PrefixCache:
+                  checkpoint_every: int = 8, page_blocks: int = 4) -> PrefixCache:
         """A cache whose namespace fingerprints ``model`` (config and a sample of its weights) and the chat
         format version, so entries can never be reused across models or formats."""
         h = hashlib.sha256(model.config.to_json().encode())
         h.update(f"|{getattr(tokenizer, 'chat_format', 'k3')}|{CHAT_FORMAT_VERSION}|{tokenizer.vocab_size}".encode())
         for t in list(model.state_dict().values())[:8]:
             h.update(t.detach().reshape(-1)[:64].float().numpy().tobytes())
-        return cls(model.config.layer_kinds(), budget_bytes, block_tokens, checkpoint_every, h.hexdigest())
+        return cls(model.config.layer_kinds(), budget_bytes, block_tokens, checkpoint_every, h.hexdigest(),
+                   page_blocks)
 
     # ------------------------------------------------------------------ keys and boundaries
     def hashes(self, tokens: list[int], salt: str | None = None) -> list[bytes]:
@@ -136,31 +142,33 @@ class PrefixCache:
             self.stats.lookups += 1
             self.stats.tokens_looked_up += len(tokens)
             matched = 0
-            while matched < len(keys) and ("page", keys[matched]) in self._entries:
+            while matched < len(keys) and keys[matched] in self._blocks:
                 matched += 1
             blocks = next((j for j in range(matched, 0, -1) if ("checkpoint", keys[j - 1]) in self._entries), 0)
             if blocks == 0:
                 return None
-            hit_keys = [("page", k) for k in keys[:blocks]] + [("checkpoint", keys[blocks - 1])]
-            for key in reversed(hit_keys):  # the chain's first block ends most recently used
+            places = [self._blocks[k] for k in keys[:blocks]]
+            hit_keys = list(dict.fromkeys(page for page, _ in places)) + [("checkpoint", keys[blocks - 1])]
+            for key in reversed(hit_keys):  # the chain's first page ends most recently used
                 self._entries[key].pins += 1
                 self._entries.move_to_end(key)
-            state = self._restore([self._entries[("page", k)] for k in keys[:blocks]],
-                                  self._entries[("checkpoint", keys[blocks - 1])], blocks * self.block)
+            state = self._restore(places, self._entries[("checkpoint", keys[blocks - 1])], blocks * self.block)
             self.stats.hits += 1
             self.stats.tokens_reused += blocks * self.block
         return Hit(blocks * self.block, state, hit_keys)
 
-    def _restore(self, pages: list[_Entry], checkpoint: _Entry, length: int) -> DecoderState:
+    def _restore(self, places: list[tuple[tuple[str, bytes], int]], checkpoint: _Entry, length: int) -> DecoderState:
         kda = iter(zip(checkpoint.tensors[1::2], checkpoint.tensors[2::2]))  # (conv, recurrent) per KDA layer
+        rows = [(self._entries[page].tensors, slice(slot * self.block, (slot + 1) * self.block))
+                for page, slot in places]
         layers, mla = [], 0
         for kind in self.kinds:
             if kind == "kda":
                 conv, recurrent = next(kda)
                 layers.append(KDAState(conv, recurrent))
             else:
-                layers.append(MLACache(torch.cat([p.tensors[2 * mla] for p in pages], dim=1),
-                                       torch.cat([p.tensors[2 * mla + 1] for p in pages], dim=1)))
+                layers.append(MLACache(torch.cat([t[2 * mla][:, r] for t, r in rows], dim=1),
+                                       torch.cat([t[2 * mla + 1][:, r] for t, r in rows], dim=1)))
                 mla += 1
         depth = checkpoint.tensors[0]
         return DecoderState(layers, None if depth.numel() == 0 else depth, length)
@@ -184,17 +192,35 @@ class PrefixCache:
         keys = self.hashes(tokens, salt)
         mla = [s for s in state.layers if isinstance(s, MLACache)]
         with self._lock:
-            for i in range(len(keys) - 1, -1, -1):  # later blocks first: LRU evicts a chain from its end
-                if ("page", keys[i]) in self._entries:
-                    continue
-                rows = slice(i * self.block, (i + 1) * self.block)
-                page = tuple(t[:, rows].clone() for s in mla for t in (s.latent, s.shared_key))
-                self._add(("page", keys[i]), page)
-                self.stats.pages_added += 1
+            touched: list[tuple[str, bytes]] = []
+            for i, key in enumerate(keys):
+                if key not in self._blocks:
+                    self._write_block(keys, i, mla)
+                touched.append(self._blocks[key][0])
+            for page in reversed(list(dict.fromkeys(touched))):  # later pages are evicted first
+                self._entries.move_to_end(page)
             if checkpoint and ("checkpoint", keys[-1]) not in self._entries:
                 self._add(("checkpoint", keys[-1]), self._checkpoint(state))
                 self.stats.checkpoints_added += 1
             self._evict()
+
+    def _write_block(self, keys: list[bytes], i: int, mla: list[MLACache]) -> None:
+        """Write block ``i`` into its chain's page for this page range: the previous block's page when that page
+        covers ``i`` and its slot is free, else a new page (caller holds the lock)."""
+        slot = i % self.page_blocks
+        page = self._blocks[keys[i - 1]][0] if slot and keys[i - 1] in self._blocks else None
+        if page is None or slot in self._entries[page].slots:  # no page yet, or another chain's block is there
+            page = ("page", keys[i])
+            size = self.page_blocks * self.block
+            self._add(page, tuple(torch.zeros(1, size, *t.shape[2:], dtype=t.dtype, device=t.device)
+                                  for s in mla for t in (s.latent, s.shared_key)))
+            self.stats.pages_added += 1
+        rows = slice(i * self.block, (i + 1) * self.block)
+        target = slice(slot * self.block, (slot + 1) * self.block)
+        for buffer, t in zip(self._entries[page].tensors, (t for s in mla for t in (s.latent, s.shared_key))):
+            buffer[:, target] = t[:, rows]
+        self._entries[page].slots[slot] = keys[i]
+        self._blocks[keys[i]] = (page, slot)
 
     @staticmethod
     def _checkpoint(state: DecoderState) -> tuple[Tensor, ...]:
@@ -215,5 +241,8 @@ class PrefixCache:
         for key in [k for k, e in self._entries.items() if e.pins == 0]:
             if self._bytes <= self.budget:
                 break
-            self._bytes -= self._entries.pop(key).nbytes
+            entry = self._entries.pop(key)
+            for block in entry.slots.values():  # a page's blocks stop matching with it
+                self._blocks.pop(block, None)
+            self._bytes -= entry.nbytes
             self.stats.evictions += 1
