@@ -232,10 +232,6 @@ class ChatBody(_Sampling):
             return "thinking" if thinking else "instruct"
         return self.mode
 
-    def mode_or(self, default: str) -> str:
-        """The chat mode: the request's (`explicit_mode`), else the server's default."""
-        return self.explicit_mode() or default
-
 
 def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
     """Validate a raw JSON body; every failure is a 400 naming the top-level field (or the JSON error)."""
