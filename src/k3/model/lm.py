@@ -222,8 +222,8 @@ class K3ForCausalLM(nn.Module):
         wanted = [torch.arange(start, start + B * T) if f else rows for start, (B, T), f, rows in
                   zip(starts, shapes, full, last)]
         logits = self._logits(depth, torch.cat(wanted))
-        sources = depth.stacked()[:, 0, torch.cat(last)].transpose(0, 1)  # [rows, S, d]
-        stacked = depth.stacked() if any(replay) else None
+        stacked = depth.stacked()  # [S, 1, N, d]
+        sources = stacked[:, 0, torch.cat(last)].transpose(0, 1)  # [rows, S, d]
         out, offset, source = [], 0, 0
         for g, ((B, T), (_, state)) in enumerate(zip(shapes, groups)):
             n = len(wanted[g])
