@@ -32,7 +32,8 @@ def _cat(states: list[LayerState]) -> LayerState:
     return replace(states[0], **{f.name: torch.cat([getattr(s, f.name) for s in states]) for f in fields(states[0])})
 
 
-def _map(state: LayerState, fn) -> LayerState:
+def _map(state: LayerState | KDAReplay, fn) -> LayerState | KDAReplay:
+    """A copy of a per-layer record with ``fn`` applied to each of its tensor fields."""
     return replace(state, **{f.name: fn(getattr(state, f.name)) for f in fields(state)})
 
 
@@ -87,7 +88,7 @@ class DecoderState:
             return None if t is None else fn(t)
 
         replay = None if self.replay is None else Replay(self.replay.before.apply(fn), [
-            None if r is None else r.apply(fn) for r in self.replay.kda], fn(self.replay.depth))
+            None if r is None else _map(r, fn) for r in self.replay.kda], fn(self.replay.depth))
         return DecoderState([_map(s, fn) for s in self.layers], opt(self.depth), self.position, opt(self.padding),
                             replay)
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -53,9 +53,6 @@ class KDAReplay:
             _, recurrent = kda.step(self.q[:, t], self.k[:, t], self.v[:, t], self.g[:, t], self.beta[:, t],
                                     recurrent)
         return KDAState(window[:, window.shape[1] - width:], recurrent)
-
-    def apply(self, fn) -> KDAReplay:
-        return KDAReplay(*(fn(getattr(self, f.name)) for f in fields(self)))
 
 
 class ShortConv(nn.Module):
