@@ -21,7 +21,7 @@ from torch import Tensor
 
 from k3.generation import sample_next
 
-__all__ = ["SamplingParams", "TokenLogprob", "process", "choose", "score_prompt"]
+__all__ = ["SamplingParams", "TokenLogprob", "check_allowed", "choose", "process", "score_prompt"]
 
 
 @dataclass(frozen=True)
@@ -126,10 +126,15 @@ def process(row: Tensor, params: SamplingParams, prompt: Sequence[int], output: 
     return row
 
 
-def choose(row: Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """The next token from processed logits ``row`` ``[V]``: argmax at temperature 0, else a sample."""
+def check_allowed(row: Tensor) -> None:
+    """Raise ValueError when processed logits ``row`` leave no token to choose (every logit is -inf)."""
     if not bool(torch.isfinite(row).any()):
         raise ValueError("no token is allowed here (every logit is -inf after processing)")
+
+
+def choose(row: Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """The next token from processed logits ``row`` ``[V]``: argmax at temperature 0, else a sample."""
+    check_allowed(row)
     if params.temperature == 0:
         return int(row.argmax())
     return int(sample_next(row[None], params.temperature, params.top_p, params.top_k, generator, params.min_p))

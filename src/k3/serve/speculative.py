@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from k3.generation import sampling_logits
-from k3.serve.sampling import SamplingParams
+from k3.serve.sampling import SamplingParams, check_allowed
 
 __all__ = ["probabilities", "verify", "verify_greedy"]
 
@@ -27,8 +27,7 @@ def probabilities(row: Tensor, params: SamplingParams) -> Tensor:
     """The exact distribution (float64, ``[V]``) that `choose` samples from for processed logits ``row`` ``[V]``:
     temperature, min_p, top_k and top_p through `k3.generation.sampling_logits`; one-hot at the argmax for
     temperature 0."""
-    if not bool(torch.isfinite(row).any()):
-        raise ValueError("no token is allowed here (every logit is -inf after processing)")
+    check_allowed(row)
     if params.temperature == 0:
         onehot = torch.zeros(row.shape[-1], dtype=torch.float64, device=row.device)
         onehot[row.argmax()] = 1.0
