@@ -16,11 +16,11 @@ import asyncio
 import hmac
 import json
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Limits", "Guard", "error_body"]
+__all__ = ["Limits", "Guard", "error_body", "send_json"]
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
@@ -61,13 +61,18 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | N
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-async def _reply(send: Send, status: int, message: str, type_: str, code: str,
-                 headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
-    body = json.dumps(error_body(message, type_, code=code)).encode()
+async def send_json(send: Send, status: int, body: dict, headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
+    """A whole JSON response on a raw ASGI ``send``."""
+    data = json.dumps(body).encode()
     await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
                             *headers]})
-    await send({"type": "http.response.body", "body": body})
+    await send({"type": "http.response.body", "body": data})
+
+
+async def _reply(send: Send, status: int, message: str, type_: str, code: str,
+                 headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
+    await send_json(send, status, error_body(message, type_, code=code), headers)
 
 
 class Guard:

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from k3.serve.guard import Receive, Scope, Send, error_body
+from k3.serve.guard import Receive, Scope, Send, error_body, send_json
 
 __all__ = ["Budget", "HashRing", "Router", "routing_key"]
 
@@ -150,14 +150,6 @@ class Replica:
     served: int = 0  # answers it gave that were relayed
 
 
-async def _reply(send: Send, status: int, body: dict, headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
-    data = json.dumps(body).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
-                            *headers]})
-    await send({"type": "http.response.body", "body": data})
-
-
 async def _read_body(receive: Receive) -> bytes:
     chunks, more = [], True
     while more:
@@ -243,12 +235,12 @@ class Router:
         if scope["type"] != "http":
             return
         if scope["path"] == "/router/status" and scope["method"] == "GET":
-            return await _reply(send, 200, self.status())
+            return await send_json(send, 200, self.status())
         body = await _read_body(receive)
         kind = "long" if len(body) > self.long_threshold else "short"
         budget = self.budgets[kind] if body else None  # bodiless requests (/health, /v1/models) are free
         if budget is not None and not budget.acquire():
-            return await _reply(send, 429, error_body(
+            return await send_json(send, 429, error_body(
                 f"the router is running its budget of {budget.limit} {kind} requests; retry shortly",
                 "rate_limit_error", code=f"{kind}_budget_exhausted"), [(b"retry-after", b"1")])
         relay = asyncio.ensure_future(self._relay(scope, body, send))
@@ -267,7 +259,7 @@ class Router:
     async def _relay(self, scope: Scope, body: bytes, send: Send) -> None:
         choices = self.ring.lookup(routing_key(scope["path"], body))
         if not choices:
-            return await _reply(send, 503, error_body("no replica is available", "server_error",
+            return await send_json(send, 503, error_body("no replica is available", "server_error",
                                                       code="no_replica"), [(b"retry-after", b"1")])
         self.replicas[choices[0]].primary += 1
         for attempt, url in enumerate(choices):
@@ -325,6 +317,6 @@ class Router:
 
     async def _failed(self, replica: Replica, err: httpx.TransportError, send: Send, final: bool) -> bool:
         if final:
-            await _reply(send, 502, error_body(f"replica {replica.url} failed: {err!r}", "server_error",
+            await send_json(send, 502, error_body(f"replica {replica.url} failed: {err!r}", "server_error",
                                                code="replica_failed"))
         return final
