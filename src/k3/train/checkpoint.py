@@ -37,7 +37,7 @@ STATE_TENSORS, STATE_JSON, LEGACY_STATE = "state.safetensors", "state.json", "st
 STATE_FORMAT, STATE_VERSION = "k3-train-state", 1
 
 
-def _write_state(directory: Path, state: dict[str, Any]) -> None:
+def write_state(directory: Path, state: dict[str, Any]) -> None:
     """``state.safetensors`` (every tensor of ``state``) and ``state.json`` (the rest; see `state_codec`)."""
     data, tensors = state_codec.encode(state)
     with writing(directory / STATE_TENSORS) as path:
@@ -56,7 +56,7 @@ def save_checkpoint(out: Path, step: int, model: torch.nn.Module, config: K3Conf
             path.write_text(json.dumps(train, indent=2))
         with writing(tmp / "tokenizer.json") as path:
             shutil.copyfile(tokenizer_dir / "tokenizer.json", path)
-        _write_state(tmp, state)
+        write_state(tmp, state)
     write_text(out / LATEST, final.name)
     _prune(out, keep, final.name)
     return final

@@ -36,7 +36,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import save_file
 from torch import Tensor
 
 from k3.model import checkpoint as model_ckpt
@@ -44,7 +43,6 @@ from k3.model.checkpoint import LATEST, atomic_directory, verified, write_text, 
 from k3.model.draft import DRAFT_CONFIG, DRAFT_WEIGHTS, DraftConfig, EagleDraft
 from k3.model.lm import K3ForCausalLM
 from k3.train import checkpoint as train_ckpt
-from k3.train import state_codec
 from k3.train.data import PackedLoader, load_documents, split_documents, stdlib_documents, tokenize_documents
 from k3.train.optim import lr_lambda
 
@@ -162,16 +160,6 @@ def unroll_loss(overlaps: list[Tensor], step_weight: float) -> Tensor:
 
 
 # ---------------------------------------------------------------------- the run
-def _write_state(directory: Path, state: dict[str, Any]) -> None:
-    """The training state in `k3.train.checkpoint`'s format (read back with its `load_state`)."""
-    data, tensors = state_codec.encode(state)
-    with writing(directory / train_ckpt.STATE_TENSORS) as path:
-        save_file(tensors, str(path))
-    with writing(directory / train_ckpt.STATE_JSON) as path:
-        path.write_text(json.dumps({"format": train_ckpt.STATE_FORMAT, "version": train_ckpt.STATE_VERSION,
-                                    "state": data}))
-
-
 def verify_checkpoint(ckpt: Path) -> None:
     for name in (DRAFT_WEIGHTS, DRAFT_CONFIG, "train.json", train_ckpt.STATE_TENSORS, train_ckpt.STATE_JSON):
         verified(ckpt, name)
@@ -249,7 +237,7 @@ class DraftRun:
             self.draft.write(tmp)
             with writing(tmp / "train.json") as path:
                 path.write_text(json.dumps(asdict(self.config), indent=2))
-            _write_state(tmp, state)
+            train_ckpt.write_state(tmp, state)
         write_text(self.out / LATEST, final.name)
         for old in model_ckpt.checkpoints(self.out)[:-2]:
             if old != final:
