@@ -9,6 +9,7 @@ log-probability. vLLM's ``prompt_logprobs`` come per choice.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -72,7 +73,7 @@ class _Reply(Reply):
     def _entries(self, tokens: list[int], scored: list[TokenLogprob | None], offset: int) -> dict:
         """Legacy logprobs of ``tokens`` (``scored[i]`` None: no log-probability, e.g. the first prompt token)."""
         texts = [self.decode([t]) for t in tokens]
-        offsets = [offset + sum(map(len, texts[:i])) for i in range(len(texts))]
+        offsets = list(itertools.accumulate(map(len, texts), initial=offset))[:-1]  # where each token's text starts
         return {"tokens": texts, "token_logprobs": [None if t is None else t.logprob for t in scored],
                 "top_logprobs": [None if t is None else {self.decode([i]): lp for i, lp in t.top} for t in scored],
                 "text_offset": offsets}
