@@ -190,3 +190,34 @@ def test_pack_unpack_round_trip(values):
     packed = mx.pack_fp4(codes)
     assert torch.equal(mx.unpack_fp4(packed), codes)
     assert torch.equal(mx.pack_fp4(mx.unpack_fp4(packed)), packed)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt", FMTS)
+def test_fake_quantize_is_decode_of_encode(fmt, dtype):
+    """The fp32 fast path equals the fp64 encode → decode bit for bit: subnormal-range, zero, huge, NaN/inf blocks."""
+    x = _hard_blocks(dtype)
+    x[0, 7 * mx.BLOCK + 3], x[1, 8 * mx.BLOCK] = float("nan"), float("-inf")
+    expected = mx.decode(*mx.encode(x, fmt), fmt, dtype)
+    got = mx.fake_quantize(x, fmt)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got, expected, rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(torch.signbit(got), torch.signbit(expected))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(_blocks, min_size=1, max_size=3), st.sampled_from(FMTS))
+def test_fake_quantize_property(blocks, fmt):
+    x = torch.cat([torch.ldexp(torch.tensor(v, dtype=torch.float64), torch.tensor(k)) for v, k in blocks]).float()
+    assert torch.equal(mx.fake_quantize(x, fmt), mx.decode(*mx.encode(x, fmt), fmt))
+
+
+def test_fake_quantize_passes_the_gradient_straight_through():
+    x = torch.randn(3, 64, requires_grad=True)
+    grad = torch.randn(3, 64)
+    mx.fake_quantize(x, "mxfp4").backward(grad)
+    assert torch.equal(x.grad, grad)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        mx.fake_quantize(torch.randn(4, 48), "mxfp4")
+    with pytest.raises(ValueError, match="floating point"):
+        mx.fake_quantize(torch.zeros(32, dtype=torch.int32), "mxfp4")

@@ -13,6 +13,7 @@ from k3.config import (
     PUBLISHED_VISION,
     RELEASE_DECISIONS,
     K3Config,
+    checkpoint_bytes,
     parameter_breakdown,
     preset,
     vision_parameters,
@@ -56,6 +57,7 @@ def audit(config: K3Config) -> dict[str, Any]:
         "active": active,
         "vision": vision_parameters(config)[0],
         "breakdown": breakdown,
+        "checkpoint_bytes": checkpoint_bytes(config),
         "published": {"total": PUBLISHED_TOTAL, "active": PUBLISHED_ACTIVE, "vision": PUBLISHED_VISION}
         if is_paper else None,
         "assumptions": ASSUMPTIONS if is_paper else {},
@@ -74,6 +76,14 @@ def _human(n: float) -> str:
         if n >= size:
             return f"{n / size:.4g}{unit}"
     return f"{n:,.0f}"
+
+
+def _bytes(n: float) -> str:
+    """1.5e12 → '1.36 TiB' (binary units)."""
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n / 2**10:.3g} KiB"
 
 
 def format_audit(a: dict[str, Any], title: str) -> str:
@@ -105,6 +115,11 @@ def format_audit(a: dict[str, Any], title: str) -> str:
     for name, (total, active) in a["breakdown"].items():
         if name != "total":
             lines.append(f"  {name:<26} {total:>18,} {active:>18,}")
+    size = a["checkpoint_bytes"]
+    lines += ["", f"  {'checkpoint size':<26} {'bytes':>18}",
+              f"  {'all weights bf16':<26} {size['bf16']:>18,.0f} {_bytes(size['bf16']):>12}",
+              f"  {'routed experts MXFP4':<26} {size['mxfp4_experts']:>18,.0f} {_bytes(size['mxfp4_experts']):>12}"
+              f"  ({size['routed_experts'] / a['total']:.1%} of parameters at 4.25 bits, the rest bf16)"]
     if a["release"]:
         lines += ["", "  from the release (moonshotai/Kimi-K3), where the paper is silent or differs:"]
         lines += [f"    - {name}: {why}" for name, why in a["release"].items()]

@@ -12,7 +12,7 @@ from fractions import Fraction
 from pathlib import Path
 
 from k3.audit import audit, format_audit
-from k3.config import PRESETS, K3Config, preset
+from k3.config import PACKED_ACTIVATIONS, PRESETS, K3Config, preset
 
 
 def _config(args: argparse.Namespace) -> tuple[K3Config, str]:
@@ -88,7 +88,7 @@ def _train(args: argparse.Namespace) -> int:
         grad_accum=args.grad_accum, curriculum=args.curriculum, bf16=args.bf16, eval_every=args.eval_every,
         ckpt_every=args.ckpt_every, eval_seq_len=args.eval_seq_len, seed=args.seed, data=args.data or [],
         balance=args.balance, max_minutes=args.max_minutes, progress=not args.no_progress, optim=optim,
-        threads=args.threads,
+        threads=args.threads, qat=args.qat,
         data_limit_bytes=None if args.data_limit_mb is None else int(args.data_limit_mb * 2**20),
     )
     run = train(config, resume=args.resume)
@@ -132,6 +132,17 @@ def _eval(args: argparse.Namespace) -> int:
     run.prepare_evaluation(path)
     loss = run.evaluate(args.batches)
     print(json.dumps({"checkpoint": str(path), "step": run.step_index, "val_loss": loss, "val_ppl": math.exp(loss)}))
+    return 0
+
+
+def _quantize(args: argparse.Namespace) -> int:
+    from k3.model.checkpoint import WEIGHTS, resolve
+    from k3.model.quantize import quantize_checkpoint
+
+    before = (resolve(Path(args.ckpt)) / WEIGHTS).stat().st_size
+    done = quantize_checkpoint(args.ckpt, args.out, args.activations)
+    print(f"{done['out']}: routed experts MXFP4-packed, {done['mode']}; expert inputs {done['inputs']}; "
+          f"weights {before / 2**20:,.2f} MiB -> {done['bytes'] / 2**20:,.2f} MiB")
     return 0
 
 
@@ -358,6 +369,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="QK-clip threshold tau for MLA heads (default: Kimi K2's 100; 0 disables)")
     tr.add_argument("--balance", choices=("exact", "histogram", "bias-step", "none"), default="exact")
     tr.add_argument("--bf16", action="store_true", help="bf16 autocast")
+    tr.add_argument("--qat", choices=("mx",), help="quantization-aware training: routed experts on MXFP4 weights "
+                    "and MXFP8 E4M3 inputs (fake-quantized, straight-through); may start on a full-precision run "
+                    "with --resume")
     tr.add_argument("--eval-every", type=int, default=50)
     tr.add_argument("--eval-seq-len", type=_positive(int), default=256,
                     help="validation window length (the same at every evaluation, whatever the curriculum)")
@@ -398,6 +412,14 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("--data", nargs="*")
     ev.add_argument("--batches", type=int)
     ev.set_defaults(run=_eval)
+
+    qz = commands.add_parser("quantize", help="pack a checkpoint's routed experts as MXFP4 (the release's layout)")
+    qz.add_argument("--ckpt", required=True, help="a run or checkpoint directory")
+    qz.add_argument("--out", required=True, help="the new checkpoint directory (must not exist)")
+    qz.add_argument("--activations", choices=PACKED_ACTIVATIONS, default="keep",
+                    help="expert inputs: keep (the checkpoint's MX inputs if trained with --qat, else none, as "
+                         "the release), none, or an MXFP8 format (default: %(default)s)")
+    qz.set_defaults(run=_quantize)
 
     gen = commands.add_parser("generate", help="continue a prompt with a trained checkpoint")
     gen.add_argument("--ckpt", required=True, help="a run, checkpoint or released Kimi K3 directory")

@@ -144,16 +144,25 @@ class VisionConfig:
 
 @dataclass
 class MXConfig:
-    """Microscaling quantization of routed experts (SPEC §7): weights MXFP4, input activations MXFP8."""
+    """Microscaling quantization of routed experts (SPEC §7).
+
+    ``enabled``: routed experts compute on MX weights (``weight_format``) and MX inputs (``activation_format``;
+    None keeps inputs in high precision). Float experts fake-quantize them in the forward pass with a
+    straight-through estimator (quantization-aware training, ``k3 train --qat mx``: MXFP4 weights, MXFP8 E4M3
+    inputs); packed experts hold the MXFP4 codes (``k3 quantize``, the release). The published preset is the
+    release's: MXFP4 weights only (its ``quantization_config`` has no input activations, SPEC §10).
+    """
 
     enabled: bool = True
     weight_format: str = "mxfp4"
-    activation_format: str = "mxfp8_e4m3"
+    activation_format: str | None = None
     block_size: int = 32
 
 
 MX_WEIGHT_FORMATS = ("mxfp4", "mxfp8_e4m3", "mxfp8_e5m2")
 MX_ACTIVATION_FORMATS = ("mxfp8_e4m3", "mxfp8_e5m2")
+#: ``k3 quantize --activations``: keep the model's MX inputs (none without QAT), none, or an MXFP8 format.
+PACKED_ACTIVATIONS = ("keep", "none", *MX_ACTIVATION_FORMATS)
 
 _SUBCONFIGS: dict[str, type] = {
     "kda": KDAConfig,
@@ -265,11 +274,11 @@ class K3Config:
 
         x = self.mx
         if x.enabled:
-            _positive(x, "block_size", prefix="mx")
+            _check(x.block_size == 32, "mx.block_size", x.block_size, "32 (the OCP MX block, k3.ops.mx)")
             _check(x.weight_format in MX_WEIGHT_FORMATS, "mx.weight_format", x.weight_format,
                    " / ".join(MX_WEIGHT_FORMATS))
-            _check(x.activation_format in MX_ACTIVATION_FORMATS, "mx.activation_format", x.activation_format,
-                   " / ".join(MX_ACTIVATION_FORMATS))
+            _check(x.activation_format is None or x.activation_format in MX_ACTIVATION_FORMATS,
+                   "mx.activation_format", x.activation_format, " / ".join(MX_ACTIVATION_FORMATS) + " / null")
             # Routed-expert matmuls are blocked along their input width: ℓ (gate/up) and the hidden (down).
             routed_in = e.latent_dim if e.latent_dim is not None else self.hidden_size
             name = "moe.latent_dim" if e.latent_dim is not None else "hidden_size"
@@ -415,6 +424,7 @@ def preset(name: str) -> K3Config:
                           shared_hidden=64, latent_dim=32, first_k_dense=1, dense_hidden=128),
             vision=VisionConfig(num_layers=2, hidden_size=32, num_heads=2, head_dim=None, mlp_hidden=64,
                                 pos_emb_size=8, out_dim=64),
+            mx=MXConfig(enabled=False),  # full precision; `k3 train --qat mx` turns MX on
         )
     if name == "small":
         return K3Config(
@@ -431,6 +441,7 @@ def preset(name: str) -> K3Config:
                           shared_hidden=128, latent_dim=128, first_k_dense=1, dense_hidden=768),
             vision=VisionConfig(num_layers=4, hidden_size=128, num_heads=4, head_dim=None, mlp_hidden=512,
                                 pos_emb_size=16, out_dim=256),
+            mx=MXConfig(enabled=False),  # full precision; `k3 train --qat mx` turns MX on
         )
     if name == "mini":  # `make demo`: the most learning in five minutes on 2 cores (benchmarks/demo.py)
         return K3Config(
@@ -447,6 +458,7 @@ def preset(name: str) -> K3Config:
                           shared_hidden=128, latent_dim=64, first_k_dense=1, dense_hidden=384),
             vision=VisionConfig(num_layers=2, hidden_size=64, num_heads=2, head_dim=None, mlp_hidden=256,
                                 pos_emb_size=16, out_dim=128),
+            mx=MXConfig(enabled=False),  # full precision; `k3 train --qat mx` turns MX on
         )
     raise ValueError(f"unknown preset {name!r}; expected one of {PRESETS}")
 
@@ -500,6 +512,24 @@ def moe_layer_parameters(c: K3Config) -> tuple[int, int]:
     expert = _glu(width, e.expert_hidden)
     common = router + shared + latent
     return common + e.num_experts * expert, common + e.num_experts_per_token * expert
+
+
+#: Bits per MXFP4 weight in storage: a 4-bit E2M1 element plus one 8-bit E8M0 scale per block of 32 (SPEC §7).
+MXFP4_BITS = 4 + 8 / 32
+
+
+def routed_expert_parameters(c: K3Config) -> int:
+    """Parameters of all routed experts (every MoE layer), the part MXFP4 stores packed (SPEC §7, §10)."""
+    e = c.moe
+    width = c.hidden_size if e.latent_dim is None else e.latent_dim
+    return c.ffn_kinds().count("moe") * e.num_experts * _glu(width, e.expert_hidden)
+
+
+def checkpoint_bytes(c: K3Config) -> dict[str, float]:
+    """Checkpoint size with every weight bf16, and with the routed experts MXFP4 (the rest bf16)."""
+    total, routed = parameter_breakdown(c)["total"][0], routed_expert_parameters(c)
+    return {"routed_experts": routed, "bf16": 2 * total,
+            "mxfp4_experts": 2 * (total - routed) + routed * MXFP4_BITS / 8}
 
 
 def vision_parameters(c: K3Config) -> tuple[int, int]:

@@ -151,9 +151,6 @@ def from_release_dict(hf: dict[str, Any]) -> K3Config:
         raise ValueError("Kimi K3 config: linear_attn_config.kda_layers and full_attn_layers must partition the "
                          f"layers 1..{n_layers}")
     quant = quantization(hf)
-    if quant and quant.get("format") != MXFP4_FORMAT:
-        raise ValueError(f"Kimi K3 config: quantization format {quant.get('format')!r} is not supported "
-                         f"(expected {MXFP4_FORMAT!r})")
     block = text.get("attn_res_block_size")
     d = f("hidden_size")
     return K3Config(
@@ -178,18 +175,55 @@ def from_release_dict(hf: dict[str, Any]) -> K3Config:
                       first_k_dense=text.get("first_k_dense_replace", 0), dense_hidden=f("intermediate_size"),
                       activation="situ", routed_scaling_factor=float(text.get("routed_scaling_factor", 1.0))),
         vision=_vision(hf.get("vision_config"), d),
-        mx=MXConfig(enabled=bool(quant), block_size=_group_size(quant)),
+        mx=mx_from_quantization(quant),
     )
 
 
-def _group_size(quant: dict[str, Any] | None) -> int:
+#: compressed-tensors' description of MXFP8 E4M3 inputs quantized on the fly in groups of 32 (E8M0 scales).
+MXFP8_INPUTS = {"num_bits": 8, "type": "float", "strategy": "group", "group_size": 32, "symmetric": True,
+                "dynamic": True, "scale_dtype": "torch.uint8"}
+
+
+def quantization_config(mx: MXConfig) -> dict[str, Any]:
+    """The compressed-tensors ``quantization_config`` of MXFP4-packed routed experts (the release's, SPEC §10),
+    with ``input_activations`` when ``mx`` also quantizes the experts' inputs (MXFP8 E4M3; E5M2 has no
+    compressed-tensors spelling and is refused, as are weights other than MXFP4)."""
+    if mx.enabled and mx.weight_format != "mxfp4":
+        raise ValueError(f"mx.weight_format = {mx.weight_format!r}: only MXFP4 weights are stored packed "
+                         f"({MXFP4_FORMAT})")
+    inputs = mx.activation_format if mx.enabled else None
+    if inputs not in (None, "mxfp8_e4m3"):
+        raise ValueError(f"mx.activation_format = {inputs!r}: compressed-tensors describes MXFP8 E4M3 inputs "
+                         f"only")
+    group = {"format": MXFP4_FORMAT, "targets": ["Linear"], "weights": {
+        "group_size": 32, "num_bits": 4, "type": "float", "strategy": "group", "symmetric": True,
+        "scale_dtype": "torch.uint8"}}
+    if inputs is not None:
+        group["input_activations"] = dict(MXFP8_INPUTS)
+    return {"quant_method": "compressed-tensors", "format": MXFP4_FORMAT, "quantization_status": "compressed",
+            "config_groups": {"group_0": group},
+            "ignore": ["re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*",
+                       "re:.*lm_head.*", "re:.*vision_tower.*", "re:.*mm_projector.*"]}
+
+
+def mx_from_quantization(quant: dict[str, Any] | None) -> MXConfig:
+    """``quantization_config`` → `MXConfig`: MXFP4 weights in groups of 32, MXFP8 E4M3 inputs if a group
+    declares ``input_activations`` (8-bit float, groups of 32); anything else is a ValueError naming it."""
     if not quant:
-        return 32
+        return MXConfig(enabled=False)
+    if not isinstance(quant, dict) or quant.get("format") != MXFP4_FORMAT:
+        raise ValueError(f"quantization_config: format {quant.get('format') if isinstance(quant, dict) else quant!r} "
+                         f"is not supported (expected {MXFP4_FORMAT!r})")
     groups = quant.get("config_groups") or {}
     sizes = {g.get("weights", {}).get("group_size", 32) for g in groups.values()} or {32}
     if sizes != {32}:
-        raise ValueError(f"Kimi K3 config: MXFP4 group_size {sorted(sizes)} is not supported (expected 32)")
-    return 32
+        raise ValueError(f"quantization_config: MXFP4 group_size {sorted(sizes)} is not supported (expected 32)")
+    inputs = [g["input_activations"] for g in groups.values() if g.get("input_activations")]
+    for spec in inputs:
+        if (spec.get("num_bits"), spec.get("type"), spec.get("group_size", 32)) != (8, "float", 32):
+            raise ValueError(f"quantization_config: input_activations {spec} are not supported (expected MXFP8: "
+                             f"num_bits 8, type float, group_size 32)")
+    return MXConfig(enabled=True, weight_format="mxfp4", activation_format="mxfp8_e4m3" if inputs else None)
 
 
 def _vision(v: dict[str, Any] | None, d: int) -> VisionConfig:
@@ -245,11 +279,6 @@ def to_release_dict(config: K3Config, template: dict[str, Any] | None = None) ->
         "moe_router_activation_func": "sigmoid", "moe_renormalize": True, "moe_layer_freq": 1,
         "num_expert_group": 1, "topk_group": 1, "num_nextn_predict_layers": 0,
     })
-    text.setdefault("quantization_config", {
-        "quant_method": "compressed-tensors", "format": MXFP4_FORMAT, "quantization_status": "compressed",
-        "config_groups": {"group_0": {"format": MXFP4_FORMAT, "targets": ["Linear"], "weights": {
-            "group_size": 32, "num_bits": 4, "type": "float", "strategy": "group", "symmetric": True,
-            "scale_dtype": "torch.uint8"}}},
-        "ignore": ["re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*",
-                   "re:.*lm_head.*", "re:.*vision_tower.*", "re:.*mm_projector.*"]})
+    if quantization(hf) is None:  # routed experts are always saved packed
+        text["quantization_config"] = quantization_config(c.mx if c.mx.enabled else MXConfig())
     return hf

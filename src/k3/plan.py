@@ -12,21 +12,15 @@ from typing import Any
 
 import torch
 
-from k3.config import K3Config
+from k3.config import MXFP4_BITS, K3Config, routed_expert_parameters
 from k3.model.memory import available_bytes, language_parameters
-
-MXFP4_BITS = 4 + 8 / 32
 
 
 def plan(config: K3Config, context: int, batch: int = 1, dtype_bytes: int = 2) -> dict[str, Any]:
     """Bytes of each part of serving ``config`` to ``batch`` sequences of ``context`` tokens."""
     c = config.validate()
-    kinds, ffns = c.layer_kinds(), c.ffn_kinds()
-    e = c.moe
-    width = c.hidden_size if e.latent_dim is None else e.latent_dim
-    expert_params = 3 * width * e.expert_hidden
-    n_moe = ffns.count("moe")
-    routed = n_moe * e.num_experts * expert_params
+    kinds, e = c.layer_kinds(), c.moe
+    routed = routed_expert_parameters(c)
     resident = (language_parameters(c) - routed) * dtype_bytes
     packed = routed * MXFP4_BITS / 8
     kda = c.kda
@@ -34,7 +28,7 @@ def plan(config: K3Config, context: int, batch: int = 1, dtype_bytes: int = 2) -
                                       * kda.num_heads * (2 * kda.head_dim + kda.value_head_dim) * dtype_bytes)
     mla_per_token = kinds.count("mla") * c.mla.cache_scalars_per_token() * dtype_bytes
     per_sequence = kda_state + mla_per_token * context
-    touched = n_moe * e.num_experts_per_token * expert_params * MXFP4_BITS / 8
+    touched = routed * e.num_experts_per_token / e.num_experts * MXFP4_BITS / 8
     return {
         "resident_weights": resident, "packed_experts": packed, "kda_state_per_sequence": kda_state,
         "mla_cache_per_token": mla_per_token, "per_sequence": per_sequence, "sequences": batch,

@@ -3,7 +3,10 @@ only (nothing in it runs code). Training adds its state to the same directory (`
 reads only what is here, so it runs without the training package.
 
 A checkpoint directory holds ``model.safetensors`` (weights and persistent buffers), ``config.json`` (the
-complete model config), ``tokenizer.json`` and ``checksums.json`` (``{"algorithm": "sha256", "files": {name: hex
+complete model config; with routed experts stored MXFP4-packed — `k3.model.quantize` — also the release's
+compressed-tensors ``quantization_config``, and the experts as ``…experts.packed.E.w{1,2,3}.weight_{packed,scale}``
+uint8 tensors, the release's per-expert layout, loaded by the same `k3.model.packed.PackedExperts`),
+``tokenizer.json`` and ``checksums.json`` (``{"algorithm": "sha256", "files": {name: hex
 digest}}`` of every other file). It is written into ``NAME.tmp`` (each file fsynced, the manifest last) and
 renamed when complete; a failed write removes the temporary directory and raises an OSError naming the file.
 A run directory holds ``step-NNNNNNN`` checkpoints and ``latest`` (replaced atomically) naming the newest.
@@ -27,13 +30,17 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from k3.config import K3Config
+from k3.hf_config import mx_from_quantization, quantization_config
 from k3.model.lm import K3ForCausalLM
+from k3.model.packed import PackedExperts, use_packed_experts
+from k3.ops import mx
 from k3.tokenization.bpe import Tokenizer
 
 LATEST = "latest"
 MANIFEST = "checksums.json"
 WEIGHTS = "model.safetensors"
 MODEL_FILES = (WEIGHTS, "config.json", "tokenizer.json")
+QUANTIZATION = "quantization_config"
 
 
 # ---------------------------------------------------------------------- writing
@@ -98,16 +105,20 @@ def non_finite(tensors: dict[str, torch.Tensor]) -> str | None:
 
 
 def write_model(directory: Path, model: torch.nn.Module, config: K3Config) -> None:
-    """``model.safetensors`` (weights and persistent buffers, which must be finite) and ``config.json``."""
+    """``model.safetensors`` (weights and persistent buffers, which must be finite) and ``config.json`` (with a
+    ``quantization_config`` when the routed experts are packed)."""
     tensors = {name: t.detach().contiguous() for name, t in model.state_dict().items()}
     bad = non_finite(tensors)
     if bad is not None:
         raise ValueError(f"{directory.with_suffix('')}: not saved: weight {bad!r} has non-finite values "
                          f"(NaN or infinity)")
+    data = config.to_dict()
+    if any(isinstance(m, PackedExperts) for m in model.modules()):
+        data[QUANTIZATION] = quantization_config(config.mx)
     with writing(directory / WEIGHTS) as path:
         save_file(tensors, str(path))
     with writing(directory / "config.json") as path:
-        path.write_text(config.to_json())
+        path.write_text(json.dumps(data, indent=2))
 
 
 def save_model(directory: Path, model: torch.nn.Module, tokenizer: Tokenizer) -> Path:
@@ -210,20 +221,36 @@ def resolve(path: Path) -> Path:
 
 # ---------------------------------------------------------------------- reading
 def load_model(path: Path) -> tuple[K3ForCausalLM, Tokenizer]:
-    """The model (in eval mode) and tokenizer of a checkpoint or run directory (its newest checkpoint)."""
+    """The model (in eval mode) and tokenizer of a checkpoint or run directory (its newest checkpoint); routed
+    experts stored packed stay packed."""
     ckpt = resolve(Path(path))
-    model = K3ForCausalLM(read_config(ckpt))
+    config, packed = _read_config(ckpt)
+    model = K3ForCausalLM(config)
+    if packed:
+        use_packed_experts(model)
     load_weights(ckpt, model)
     return model.eval(), read_tokenizer(ckpt)
 
 
 def read_config(ckpt: Path) -> K3Config:
     """The model config; every field must be present (no paper-size defaults)."""
+    return _read_config(ckpt)[0]
+
+
+def _read_config(ckpt: Path) -> tuple[K3Config, bool]:
+    """The model config and whether the routed experts are stored packed (a ``quantization_config``, which must
+    agree with the config's ``mx``)."""
     path = verified(ckpt, "config.json")
     try:
-        return K3Config.from_json(path.read_text(), complete=True).validate()
+        data = json.loads(path.read_text())
+        quant = data.pop(QUANTIZATION, None) if isinstance(data, dict) else None
+        config = K3Config.from_dict(data, complete=True).validate()
+        if quant is not None and mx_from_quantization(quant) != config.mx:
+            raise ValueError(f"{QUANTIZATION} describes {mx_from_quantization(quant)} but the config's mx is "
+                             f"{config.mx}")
     except (OSError, ValueError, TypeError) as err:
         raise ValueError(f"{path}: {err}") from err
+    return config, quant is not None
 
 
 def read_tokenizer(ckpt: Path) -> Tokenizer:
@@ -245,6 +272,12 @@ def load_weights(ckpt: Path, model: torch.nn.Module) -> None:
         if tensors[name].shape != t.shape:
             raise ValueError(f"{path}: tensor {name!r} has shape {list(tensors[name].shape)}, "
                              f"the model expects {list(t.shape)}")
+        if tensors[name].is_floating_point() != t.is_floating_point() or (
+                not t.is_floating_point() and tensors[name].dtype != t.dtype):
+            raise ValueError(f"{path}: tensor {name!r} is {tensors[name].dtype}, the model expects {t.dtype}")
+        if name.endswith(".weight_scale") and bool((tensors[name] == mx.NAN_SCALE).any()):
+            raise ValueError(f"{path}: tensor {name!r} holds the E8M0 NaN scale byte (255): the packed weights "
+                             f"are corrupt")
     extra = sorted(tensors.keys() - expected.keys())
     if extra:
         raise ValueError(f"{path}: unexpected tensor {extra[0]!r}")

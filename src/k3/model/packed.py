@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from k3.config import SiTUConfig
-from k3.model.width import Experts, _activate
+from k3.config import MXConfig, SiTUConfig
+from k3.model.width import Experts
 from k3.ops import mx
 
 PROJECTIONS = ("w1", "w2", "w3")  # gate [F, W], down [W, F], up [F, W] as the release names them
@@ -42,42 +42,65 @@ class PackedExpert(nn.Module):
 
 
 class PackedExperts(Experts):
-    """`Experts` whose weights stay MXFP4-packed; never the all-experts dense path (it would decode every one)."""
+    """`Experts` whose weights stay MXFP4-packed; never the all-experts dense path (it would decode every one).
+
+    ``input_format`` (an MXFP8 format or None) quantizes the experts' matmul inputs as `Experts` does with MX
+    on, so a packed model computes exactly what its fake-quantized float model computes (SPEC §7).
+    """
 
     DENSE_LIMIT = 0
 
-    def __init__(self, n_experts: int, width: int, hidden: int, activation: str, situ: SiTUConfig) -> None:
+    def __init__(self, n_experts: int, width: int, hidden: int, activation: str, situ: SiTUConfig,
+                 input_format: str | None = None) -> None:
         nn.Module.__init__(self)
         self.activation = activation
         self.gate_cap, self.up_cap = situ.gate_cap, situ.up_cap
         self.num_experts, self.width, self.hidden = n_experts, width, hidden
+        self.weight_format, self.input_format = "mxfp4", input_format
         self.packed = nn.ModuleList(PackedExpert(width, hidden) for _ in range(n_experts))
+
+    @classmethod
+    def like(cls, experts: Experts) -> PackedExperts:
+        """Empty packed experts of the same shape, activation and input format as ``experts``."""
+        return cls(experts.num_experts, experts.width, experts.hidden, experts.activation,
+                   SiTUConfig(experts.gate_cap, experts.up_cap), experts.input_format)
 
     def reset_parameters(self) -> None:
         """Packed weights are data, not initialised parameters."""
 
-    def expert(self, e: int, xs: Tensor) -> Tensor:
+    def expert_weights(self, e: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """Expert ``e``'s weights decoded exactly into ``dtype``: ``(cat(w1, w3) [2F, W], w2 [W, F])``."""
         p = self.packed[e]
-        gate, up = xs @ p.w1.weight(xs.dtype).T, xs @ p.w3.weight(xs.dtype).T
-        return _activate(gate, up, self.activation, self.gate_cap, self.up_cap) @ p.w2.weight(xs.dtype).T
+        return torch.cat([p.w1.weight(dtype), p.w3.weight(dtype)]), p.w2.weight(dtype)
 
     @classmethod
     def pack(cls, experts: Experts) -> PackedExperts:
-        """MXFP4-quantize a float `Experts` (`k3.ops.mx.quantize`, lossy)."""
-        situ = SiTUConfig(experts.gate_cap, experts.up_cap)
-        out = cls(experts.num_experts, experts.width, experts.hidden, experts.activation, situ)
+        """MXFP4-quantize a float `Experts` (`k3.ops.mx.quantize`: lossy, unless MX is already on, when the packed
+        weights are exactly the ones its forward fake-quantizes to)."""
+        if experts.weight_format not in (None, "mxfp4"):
+            raise ValueError(f"cannot pack {experts.weight_format} expert weights as MXFP4")
+        out = cls.like(experts)
         for e, p in enumerate(out.packed):
-            gate, up = experts.gate_up[e].split(experts.hidden)
-            for linear, w in ((p.w1, gate), (p.w3, up), (p.w2, experts.down[e])):
+            gate, up = experts.gate_up[e].detach().split(experts.hidden)
+            for linear, w in ((p.w1, gate), (p.w3, up), (p.w2, experts.down[e].detach())):
                 linear.weight_packed, linear.weight_scale = mx.quantize(w)
         return out
 
     def unpack(self, dtype: torch.dtype = torch.float32) -> Experts:
-        """A trainable float `Experts` holding exactly the decoded weights."""
-        out = Experts(self.num_experts, self.width, self.hidden, self.activation, SiTUConfig(self.gate_cap,
-                                                                                          self.up_cap))
+        """A trainable float `Experts` holding exactly the decoded weights (MX stays on: it computes the same)."""
+        out = Experts(self.num_experts, self.width, self.hidden, self.activation,
+                      SiTUConfig(self.gate_cap, self.up_cap),
+                      mx_config=MXConfig(enabled=True, activation_format=self.input_format))
         with torch.no_grad():
-            for e, p in enumerate(self.packed):
-                out.gate_up[e] = torch.cat([p.w1.weight(dtype), p.w3.weight(dtype)])
-                out.down[e] = p.w2.weight(dtype)
+            for e in range(self.num_experts):
+                out.gate_up[e], out.down[e] = self.expert_weights(e, dtype)
         return out.to(dtype)
+
+
+def use_packed_experts(model: nn.Module) -> nn.Module:
+    """Replace every float `Experts` of ``model`` by empty `PackedExperts` of the same shape (to be loaded)."""
+    for module in list(model.modules()):
+        experts = getattr(module, "experts", None)
+        if isinstance(experts, Experts) and not isinstance(experts, PackedExperts):
+            module.experts = PackedExperts.like(experts)
+    return model

@@ -40,7 +40,7 @@ from torch import Tensor
 
 from k3.config import K3Config
 from k3.hf_config import from_release_dict, is_release, to_release_dict
-from k3.model.packed import PROJECTIONS, PackedExperts
+from k3.model.packed import PROJECTIONS, PackedExperts, use_packed_experts
 from k3.model.safetensors_io import Shards, write_shards
 from k3.model.width import Experts, LatentMoE
 
@@ -144,11 +144,7 @@ def _skeleton(cls: type, config: K3Config, packed: bool) -> Any:
     """``cls(config)`` on the meta device (nothing allocated), with `PackedExperts` if ``packed``."""
     with torch.device("meta"):
         model = cls(config)
-        for layer in model.layers if packed else ():
-            if isinstance(layer.ffn, LatentMoE):
-                x = layer.ffn.experts
-                layer.ffn.experts = PackedExperts(x.num_experts, x.width, x.hidden, x.activation, config.situ)
-    return model
+        return use_packed_experts(model) if packed else model
 
 
 def is_release_dir(directory: str | os.PathLike) -> bool:
@@ -219,6 +215,9 @@ def _read(shards: Shards, name: str, shape: torch.Size) -> Tensor:
     entry = shards.entries[name]
     if entry.shape != tuple(shape):
         raise ValueError(f"{entry.file}: tensor {name!r} has shape {list(entry.shape)}, expected {list(shape)}")
+    if name.endswith((".weight_packed", ".weight_scale")) and entry.dtype != torch.uint8:
+        raise ValueError(f"{entry.file}: tensor {name!r} is {entry.dtype}, expected uint8 (MXFP4 codes / E8M0 "
+                         f"scales)")
     return shards.tensor(name)
 
 

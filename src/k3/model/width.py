@@ -12,8 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from k3.config import K3Config, SiTUConfig
+from k3.config import K3Config, MXConfig, SiTUConfig
 from k3.model.norm import RMSNorm
+from k3.ops import mx
 
 ACTIVATIONS = ("situ", "swiglu")
 
@@ -135,18 +136,27 @@ class Experts(nn.Module):
     For a batch of decode tokens that hits most experts (``E ≤ N·k`` and ``N·E ≤ DENSE_LIMIT``) that is
     one small matmul chain per expert, so instead every expert runs on every token in two matmuls and
     the unselected ones get weight 0 — the same sum with a few operators instead of a few per expert.
+
+    With MX on (``mx.enabled``, SPEC §7) each expert computes on MX-quantized weights (``mx.weight_format``)
+    and inputs (``mx.activation_format``; None keeps them in high precision), fake-quantized with the
+    straight-through estimator (quantization-aware training); the dense path is then not taken, so a float
+    model and its `k3.model.packed.PackedExperts` run the same matmuls on the same values.
     """
 
     DENSE_LIMIT = 512
 
     def __init__(
-        self, n_experts: int, width: int, hidden: int, activation: str, situ: SiTUConfig, std: float = 0.02
+        self, n_experts: int, width: int, hidden: int, activation: str, situ: SiTUConfig, std: float = 0.02,
+        mx_config: MXConfig | None = None,
     ) -> None:
         super().__init__()
         _check_activation(activation)
         self.activation = activation
         self.gate_cap, self.up_cap = situ.gate_cap, situ.up_cap
         self.num_experts, self.width, self.hidden, self.std = n_experts, width, hidden, std
+        on = mx_config is not None and mx_config.enabled
+        self.weight_format: str | None = mx_config.weight_format if on else None
+        self.input_format: str | None = mx_config.activation_format if on else None
         self.gate_up = nn.Parameter(torch.empty(n_experts, 2 * hidden, width))
         self.down = nn.Parameter(torch.empty(n_experts, width, hidden))
         self.reset_parameters()
@@ -158,7 +168,8 @@ class Experts(nn.Module):
     def forward(self, x: Tensor, weights: Tensor, indices: Tensor) -> Tensor:
         """x [N, W], weights [N, k], indices [N, k] → Σ_j weights_j · Expert_{indices_j}(x), [N, W] in x.dtype."""
         n_tokens, k = indices.shape
-        if self.num_experts <= n_tokens * k and n_tokens * self.num_experts <= self.DENSE_LIMIT:
+        mx_on = self.weight_format is not None or self.input_format is not None
+        if not mx_on and self.num_experts <= n_tokens * k and n_tokens * self.num_experts <= self.DENSE_LIMIT:
             return self._dense(x, weights, indices)
         flat = indices.reshape(-1)
         order = torch.argsort(flat, stable=True)
@@ -173,8 +184,21 @@ class Experts(nn.Module):
 
     def expert(self, e: int, xs: Tensor) -> Tensor:
         """Expert ``e`` on its tokens ``xs`` ``[n, W]``."""
-        gate, up = (xs @ self.gate_up[e].T).split(self.hidden, dim=-1)
-        return _activate(gate, up, self.activation, self.gate_cap, self.up_cap) @ self.down[e].T
+        gate_up, down = self.expert_weights(e, xs.dtype)
+        gate, up = (self._input(xs) @ gate_up.T).split(self.hidden, dim=-1)
+        return self._input(_activate(gate, up, self.activation, self.gate_cap, self.up_cap)) @ down.T
+
+    def expert_weights(self, e: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """Expert ``e``'s ``(gate_up [2F, W], down [W, F])`` as it computes: MX fake-quantized (blocks along
+        the input width) when MX is on. Float weights keep their own dtype (``dtype`` is for packed ones)."""
+        gate_up, down = self.gate_up[e], self.down[e]
+        if self.weight_format is None:
+            return gate_up, down
+        return mx.fake_quantize(gate_up, self.weight_format), mx.fake_quantize(down, self.weight_format)
+
+    def _input(self, x: Tensor) -> Tensor:
+        """A matmul input, MX fake-quantized in blocks along its last axis when MX inputs are on."""
+        return x if self.input_format is None else mx.fake_quantize(x, self.input_format)
 
     def _dense(self, x: Tensor, weights: Tensor, indices: Tensor) -> Tensor:
         """All experts on all tokens, weighted by the routing weight (0 where not selected)."""
@@ -188,7 +212,9 @@ class Experts(nn.Module):
         return torch.einsum("enw,ne->nw", y, mix).to(x.dtype)
 
     def extra_repr(self) -> str:
-        return f"n_experts={self.num_experts}, width={self.width}, hidden={self.hidden}, activation={self.activation}"
+        mx_formats = f", mx={self.weight_format}/{self.input_format}" if self.weight_format or self.input_format else ""
+        return (f"n_experts={self.num_experts}, width={self.width}, hidden={self.hidden}, "
+                f"activation={self.activation}{mx_formats}")
 
 
 class LatentMoE(nn.Module):
@@ -221,7 +247,8 @@ class LatentMoE(nn.Module):
             self.latent_down = nn.Linear(d, width, bias=False)
             self.latent_norm = RMSNorm(width, config.rms_norm_eps)
             self.latent_up = nn.Linear(width, d, bias=False)
-        self.experts = Experts(moe.num_experts, width, moe.expert_hidden, moe.activation, config.situ, std)
+        self.experts = Experts(moe.num_experts, width, moe.expert_hidden, moe.activation, config.situ, std,
+                               config.mx)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:

@@ -14,6 +14,9 @@ nonzero block with scale byte 0 is encoded at 2⁻¹²⁶ while its byte says 2�
 block with ±inf but no NaN gets a finite byte there (we write 255, as OCP and newer torchao do); element codes in
 NaN blocks are ours. `decode` detects NaN on the scale byte, never on the decoded float.
 
+`fake_quantize` is ``decode(encode(x))`` in ``x``'s dtype with the straight-through estimator (the gradient passes
+unchanged): the forward of quantization-aware training (SPEC §7).
+
 MXFP4 storage is compressed-tensors' ``mxfp4-pack-quantized``, the layout of the released routed experts: two
 E2M1 codes per byte, element ``2i`` in the low nibble (`pack_fp4`); `quantize` / `dequantize` work on it.
 """
@@ -26,7 +29,7 @@ import torch
 from torch import Tensor
 
 BLOCK = 32
-_NAN_SCALE = 255
+NAN_SCALE = 255
 
 
 @dataclass(frozen=True)
@@ -110,7 +113,7 @@ def encode(x: Tensor, fmt: str) -> tuple[Tensor, Tensor]:
     shared = shared.masked_fill(~finite, 0)
     scaled = torch.ldexp(blocks, -shared.unsqueeze(-1)).masked_fill(~finite.unsqueeze(-1), 0.0)
     codes = f.magnitude_code(scaled.abs()) | (torch.signbit(scaled).long() << (f.bits - 1))
-    scale = (shared + 127).masked_fill(~finite, _NAN_SCALE)
+    scale = (shared + 127).masked_fill(~finite, NAN_SCALE)
     return codes.flatten(-2).to(torch.uint8), scale.to(torch.uint8)
 
 
@@ -125,7 +128,7 @@ def decode(codes: Tensor, scale: Tensor, fmt: str, dtype: torch.dtype = torch.fl
                          f"(expected [..., n] and [..., n/{BLOCK}])")
     values = f.values().to(codes.device)[codes.long()]
     factor = torch.ldexp(torch.ones(scale.shape, device=scale.device), scale.int() - 127)
-    factor = factor.masked_fill(scale == _NAN_SCALE, torch.nan)
+    factor = factor.masked_fill(scale == NAN_SCALE, torch.nan)
     return (_blocks(values, "MX decode") * factor.unsqueeze(-1)).flatten(-2).to(dtype)
 
 
@@ -168,3 +171,35 @@ def quantize(x: Tensor) -> tuple[Tensor, Tensor]:
         raise ValueError("MXFP4: cannot quantize non-finite values")
     codes, scale = encode(x, "mxfp4")
     return pack_fp4(codes), scale
+
+
+def _round_trip(x: Tensor, f: Format) -> Tensor:
+    """``decode(encode(x))`` computed directly in fp32, where every step is exact: scaling by powers of two
+    stays within fp32's range (a value scaled below fp32's subnormals is far below half an element step and
+    rounds to zero either way), and an element times its scale is at least 2⁻¹⁴³, an fp32 subnormal."""
+    if not x.is_floating_point():
+        raise ValueError(f"MX fake_quantize: x must be floating point, got {x.dtype}")
+    blocks = _blocks(x.detach().float(), f"MX fake_quantize ({f.name})")
+    amax = blocks.abs().amax(-1, keepdim=True)
+    shared = torch.where(amax > 0, torch.frexp(amax).exponent - 1 - f.emax, -127).clamp_min(-127)
+    scaled = torch.ldexp(blocks, -shared)
+    q = torch.frexp(scaled).exponent.sub(1).clamp_min(f.emin)  # the binade; 0 and subnormals use emin
+    element = torch.ldexp(torch.round(torch.ldexp(scaled, f.mbits - q)), q - f.mbits).clamp(-f.max, f.max)
+    out = torch.ldexp(element, shared).masked_fill(~torch.isfinite(amax), torch.nan)
+    return out.flatten(-2).to(x.dtype)
+
+
+class _FakeQuantize(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, fmt: str) -> Tensor:  # noqa: ANN001
+        return _round_trip(x, _format(fmt))
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # noqa: ANN001
+        return grad, None
+
+
+def fake_quantize(x: Tensor, fmt: str) -> Tensor:
+    """``decode(encode(x, fmt))`` in ``x.dtype`` — the exact values an MX matmul sees — with the straight-through
+    estimator: ``∂/∂x`` is the identity, so the gradient is the one taken at the quantized values (SPEC §7)."""
+    return _FakeQuantize.apply(x, fmt)

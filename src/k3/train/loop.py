@@ -9,6 +9,7 @@ biases and RNG states are all in the checkpoint).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import sys
@@ -20,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from k3.config import K3Config, preset
+from k3.config import K3Config, MXConfig, preset
 from k3.model.lm import K3ForCausalLM
 from k3.model.memory import check_fits
 from k3.model.sequence.mla import GatedMLA
@@ -48,6 +49,10 @@ from k3.tokenization.bpe import Tokenizer
 #: choice: the two pre-training lengths share the first 90% of the steps equally, the cooldown is the
 #: last 10% (256K for 7%, 1M for the final 3%, the costliest length for the shortest time).
 PAPER_CURRICULUM = ((0.0, 1), (0.5, 8), (0.9, 32), (0.97, 128))
+
+#: ``k3 train --qat mx`` (SPEC §7): routed-expert weights MXFP4 and their inputs MXFP8 E4M3, fake-quantized in the
+#: forward pass with a straight-through estimator; everything else stays in high precision.
+QAT_MX = MXConfig(enabled=True, weight_format="mxfp4", activation_format="mxfp8_e4m3", block_size=32)
 
 #: The paper's first stage length (8K tokens).
 PAPER_BASE = 8192
@@ -94,6 +99,7 @@ class TrainConfig:
     progress: bool = True
     optim: OptimConfig = field(default_factory=OptimConfig)
     model: dict[str, Any] | None = None  # a full K3Config dict overriding ``preset`` (recipe ablations)
+    qat: str | None = None  # "mx": quantization-aware training of the routed experts (`QAT_MX`, SPEC §7)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -110,12 +116,22 @@ class TrainConfig:
         return cls(**data)
 
     def model_config(self) -> K3Config:
-        """``model`` (every field required) if given, else the ``preset``."""
+        """``model`` (every field required) if given, else the ``preset``; with ``qat = "mx"`` its routed experts
+        train on MX-quantized weights and inputs (`QAT_MX`)."""
+        if self.qat not in (None, "mx"):
+            raise ValueError(f"train.qat = {self.qat!r} is invalid: 'mx' or null")
         if self.model is None:
-            return preset(self.preset).validate()
+            config = preset(self.preset)
+        else:
+            try:
+                config = K3Config.from_dict(self.model, complete=True)
+            except (ValueError, TypeError) as err:
+                raise ValueError(f"train.model: {err}") from err
+        if self.qat == "mx":
+            config = dataclasses.replace(config, mx=dataclasses.replace(QAT_MX))
         try:
-            return K3Config.from_dict(self.model, complete=True).validate()
-        except (ValueError, TypeError) as err:
+            return config.validate()
+        except ValueError as err:
             raise ValueError(f"train.model: {err}") from err
 
     def validate(self) -> TrainConfig:
@@ -225,7 +241,7 @@ class Run:
     def prepare_evaluation(self, checkpoint: Path) -> None:
         """Load ``checkpoint`` (weights, tokenizer, step) and the validation data for `evaluate`, writing
         nothing (``k3 eval``: any checkpoint of a run, the run's files left as they are)."""
-        ckpt.check_same_config(checkpoint, model_ckpt.read_config(checkpoint), self.model_config)
+        self._check_config(checkpoint)
         model_ckpt.load_weights(checkpoint, self.model)
         self.tokenizer = model_ckpt.read_tokenizer(checkpoint)
         self.step_index = int(ckpt.load_state(checkpoint).get("step", 0))
@@ -242,8 +258,22 @@ class Run:
     def _batch(self, length: int) -> int:
         return self.config.tokens_per_step // (length * self.config.grad_accum)
 
+    def _check_config(self, path: Path) -> None:
+        """The checkpoint's model config must be this run's, except that QAT may start on a full-precision
+        checkpoint (its weights are the float weights QAT trains)."""
+        saved = model_ckpt.read_config(path)
+        if not saved.mx.enabled and self.model_config.mx.enabled:
+            print(f"k3: continuing full-precision checkpoint {path.name} with quantization-aware training "
+                  f"(routed experts {self.model_config.mx.weight_format} / {self.model_config.mx.activation_format})",
+                  file=sys.stderr)
+            saved = dataclasses.replace(saved, mx=self.model_config.mx)
+        elif saved.mx.enabled and not self.model_config.mx.enabled:
+            raise ValueError(f"{path}: this checkpoint trains with quantization-aware training (mx); pass --qat mx "
+                             f"to continue it")
+        ckpt.check_same_config(path, saved, self.model_config)
+
     def _restore(self, path: Path) -> None:
-        ckpt.check_same_config(path, model_ckpt.read_config(path), self.model_config)
+        self._check_config(path)
         model_ckpt.load_weights(path, self.model)
         state = ckpt.load_state(path)
         try:
