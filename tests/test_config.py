@@ -128,7 +128,7 @@ def test_every_impossible_config_is_rejected_naming_the_field(field, value):
 def test_vision_width_must_split_into_heads_without_an_explicit_head_dim():
     with pytest.raises(ValueError, match=r"config\.vision\.hidden_size = 961 .* multiple of vision\.num_heads=12"):
         _with(**{"vision.head_dim": None, "vision.hidden_size": 961}).validate()
-    _with(**{"vision.hidden_size": 961}).validate()  # the release's qkv width is heads x head_dim, not the width
+    _with(**{"vision.hidden_size": 962}).validate()  # the release's qkv width is heads x head_dim, not the width
 
 
 @pytest.mark.parametrize("changes, field", [

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -73,11 +74,25 @@ def test_greedy_continuation_equals_mlx_lm(release, mlx_model):
     assert ours == theirs
 
 
-def test_every_text_tensor_is_consumed_once_and_vision_is_reported(release):
+def test_every_tensor_is_consumed_once_vision_included(release):
     directory, tensors = release
-    info = _ours(directory).release
-    assert len(info.consumed) == len(set(info.consumed))
-    assert set(info.consumed) == {n for n in tensors if n.startswith("language_model.")}
+    model = _ours(directory)
+    info = model.release
+    assert len(info.consumed) == len(set(info.consumed)) and info.skipped == []
+    assert set(info.consumed) == set(tensors)
+    ours = model.vision.state_dict()
+    for name in (n for n in tensors if n.startswith(("vision_tower.", "mm_projector."))):
+        assert torch.equal(ours[name], tensors[name].float()), name  # the release's names, unchanged
+
+
+def test_vision_is_skipped_and_reported_for_a_config_without_vision(release, tmp_path):
+    directory, tensors = release
+    config = json.loads((directory / "config.json").read_text())
+    del config["vision_config"]
+    copy = tmp_path / "text-only"
+    shutil.copytree(directory, copy)
+    (copy / "config.json").write_text(json.dumps(config))
+    info = _ours(copy).release
     assert set(info.skipped) == {n for n in tensors if n.startswith(("vision_tower.", "mm_projector."))}
 
 
@@ -94,9 +109,8 @@ def test_save_round_trip_is_byte_identical(release, tmp_path):
     model = _ours(directory)
     model.save_pretrained(str(tmp_path), max_shard_bytes=2**16)
     original, saved = _read(directory), _read(tmp_path)
-    text = {n for n in original if n.startswith("language_model.")}
-    assert set(saved) == text
-    for name in text:
+    assert set(saved) == set(original)  # text and vision
+    for name in original:
         assert saved[name].dtype == original[name].dtype, name
         assert saved[name].shape == original[name].shape and torch.equal(saved[name].view(torch.uint8),
                                                                          original[name].view(torch.uint8)), name

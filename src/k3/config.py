@@ -140,6 +140,15 @@ class VisionConfig:
     in_channels: int = 3
     merge_size: int = 2  # 2x2 spatial merge
     out_dim: int = 7168  # projector output: must equal the language width d
+    attention: str = "joint"  # "joint": all frames of a chunk together (release); "divided": spatial / temporal
+    max_frames: int = 4  # frames per video chunk (release: init_pos_emb_time; the time embedding's rows)
+    rope_theta: float = 10000.0  # 2-D rotary embedding inside attention (release: Rope2DPosEmbRepeated)
+    norm_eps: float = 1.1920928955078125e-07  # encoder RMSNorms: torch.nn.RMSNorm's default in fp32 (release)
+
+    @property
+    def qkv_head_dim(self) -> int:
+        """Width of one attention head: ``head_dim``, or ``hidden_size / num_heads`` when None."""
+        return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_heads
 
 
 @dataclass
@@ -300,6 +309,13 @@ class K3Config:
                    ">= 0")
             _check(v.out_dim == self.hidden_size, "vision.out_dim", v.out_dim,
                    f"equal to hidden_size={self.hidden_size}")
+            _check(v.attention in ("joint", "divided"), "vision.attention", v.attention, "'joint' or 'divided'")
+            _positive(v, "max_frames", prefix="vision")
+            _check(v.qkv_head_dim % 4 == 0, "vision.head_dim", v.qkv_head_dim,
+                   "a multiple of 4 (the 2-D rotary embedding turns row and column pairs)")
+            _check(v.hidden_size % 2 == 0, "vision.hidden_size", v.hidden_size, "even (the time embedding)")
+            _check(_real(v.rope_theta) and v.rope_theta > 0, "vision.rope_theta", v.rope_theta, "> 0")
+            _check(_real(v.norm_eps) and v.norm_eps > 0, "vision.norm_eps", v.norm_eps, "> 0")
         return self
 
     # ------------------------------------------------------------------ serialisation

@@ -238,10 +238,33 @@ def _vision(v: dict[str, Any] | None, d: int) -> VisionConfig:
     if qkv is not None and qkv % heads:
         raise ValueError(f"Kimi K3 config: vision_config.qkv_hidden_size={qkv} is not a multiple of "
                          f"vt_num_attention_heads={heads}")
+    for key, wanted in (("merge_type", "sd2_tpool"), ("pos_emb_type", "divided_fixed"), ("norm_type", "rmsnorm"),
+                        ("pos_emb_interpolation_mode", "bilinear"), ("attn_bias", False), ("linear_bias", False),
+                        ("patch_embed_proj_bias", False)):
+        if key in v and v[key] != wanted:
+            raise ValueError(f"Kimi K3 config: vision_config.{key}={v[key]!r} is not supported (expected "
+                             f"{wanted!r}, the release's)")
+    if v.get("init_pos_emb_height", 0) != v.get("init_pos_emb_width", v.get("init_pos_emb_height", 0)):
+        raise ValueError("Kimi K3 config: vision_config.init_pos_emb_height and init_pos_emb_width must be equal")
     return VisionConfig(enabled=True, num_layers=f("vt_num_hidden_layers"), hidden_size=f("vt_hidden_size"),
                         num_heads=heads, head_dim=None if qkv is None else qkv // heads,
                         mlp_hidden=f("vt_intermediate_size"), patch_size=f("patch_size"), merge_size=merge[0],
-                        pos_emb_size=v.get("init_pos_emb_height", 0), out_dim=v.get("text_hidden_size", d))
+                        pos_emb_size=v.get("init_pos_emb_height", 0), out_dim=v.get("text_hidden_size", d),
+                        attention="joint", max_frames=v.get("init_pos_emb_time", 4))
+
+
+def _vision_dict(v: VisionConfig) -> dict[str, Any]:
+    """`VisionConfig` → the released ``vision_config`` (joint attention only: the release's)."""
+    if v.attention != "joint":
+        raise ValueError(f"vision.attention = {v.attention!r}: the release format describes joint attention only")
+    return {"vt_hidden_size": v.hidden_size, "qkv_hidden_size": v.num_heads * v.qkv_head_dim,
+            "vt_num_attention_heads": v.num_heads, "vt_intermediate_size": v.mlp_hidden,
+            "vt_num_hidden_layers": v.num_layers, "patch_size": v.patch_size, "init_pos_emb_height": v.pos_emb_size,
+            "init_pos_emb_width": v.pos_emb_size, "init_pos_emb_time": v.max_frames,
+            "merge_kernel_size": [v.merge_size, v.merge_size], "merge_type": "sd2_tpool",
+            "pos_emb_type": "divided_fixed", "pos_emb_interpolation_mode": "bilinear", "norm_type": "rmsnorm",
+            "attn_bias": False, "linear_bias": False, "patch_embed_proj_bias": False,
+            "mm_hidden_size": v.hidden_size, "text_hidden_size": v.out_dim}
 
 
 def to_release_dict(config: K3Config, template: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -279,6 +302,8 @@ def to_release_dict(config: K3Config, template: dict[str, Any] | None = None) ->
         "moe_router_activation_func": "sigmoid", "moe_renormalize": True, "moe_layer_freq": 1,
         "num_expert_group": 1, "topk_group": 1, "num_nextn_predict_layers": 0,
     })
+    if c.vision.enabled and not hf.get("vision_config"):
+        hf["vision_config"] = _vision_dict(c.vision)
     if quantization(hf) is None:  # routed experts are always saved packed
         text["quantization_config"] = quantization_config(c.mx if c.mx.enabled else MXConfig())
     return hf

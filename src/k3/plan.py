@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from k3.config import MXFP4_BITS, K3Config, routed_expert_parameters
-from k3.model.memory import available_bytes, language_parameters
+from k3.model.memory import available_bytes, model_parameters
 
 
 def plan(config: K3Config, context: int, batch: int = 1, dtype_bytes: int = 2) -> dict[str, Any]:
@@ -21,7 +21,7 @@ def plan(config: K3Config, context: int, batch: int = 1, dtype_bytes: int = 2) -
     c = config.validate()
     kinds, e = c.layer_kinds(), c.moe
     routed = routed_expert_parameters(c)
-    resident = (language_parameters(c) - routed) * dtype_bytes
+    resident = (model_parameters(c) - routed) * dtype_bytes
     packed = routed * MXFP4_BITS / 8
     kda = c.kda
     kda_state = kinds.count("kda") * (kda.num_heads * kda.head_dim * kda.value_head_dim * 4 + (kda.conv_size - 1)

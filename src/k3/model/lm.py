@@ -24,6 +24,7 @@ from k3.model.pretrained import from_pretrained, save_pretrained
 from k3.model.sequence.kda import KDALayer
 from k3.model.sequence.mla import GatedMLA
 from k3.model.state import DecoderState, Replay
+from k3.model.vision import VisionModel
 from k3.model.width import build_ffn
 
 
@@ -98,6 +99,7 @@ class K3ForCausalLM(nn.Module):
         nn.init.normal_(self.embed_tokens.weight, std=config.initializer_range)
         if self.lm_head is not None:
             nn.init.normal_(self.lm_head.weight, std=config.initializer_range)
+        self.vision = VisionModel(config) if config.vision.enabled else None  # MoonViT-V2 + projector (SPEC §6)
 
     @classmethod
     def from_pretrained(cls, directory: str, dtype: torch.dtype = torch.float32, packed: bool = True) -> K3ForCausalLM:

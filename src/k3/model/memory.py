@@ -21,10 +21,10 @@ def _size(n: int) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
-def language_parameters(config: K3Config) -> int:
-    """Parameters `K3ForCausalLM` allocates: the analytic total without the vision encoder and projector."""
-    parts = parameter_breakdown(config)
-    return parts["total"][0] - parts["vision encoder"][0] - parts["vision projector"][0]
+def model_parameters(config: K3Config) -> int:
+    """Parameters `K3ForCausalLM` allocates: the analytic total (the vision encoder and projector included when
+    ``vision.enabled``)."""
+    return parameter_breakdown(config)["total"][0]
 
 
 def available_bytes(device: torch.device) -> int | None:
@@ -52,6 +52,6 @@ def check_fits(config: K3Config, device: torch.device | str | None = None, copie
     available = available_bytes(device)
     if available is None:
         return
-    needed = copies * language_parameters(config) * torch.get_default_dtype().itemsize
+    needed = copies * model_parameters(config) * torch.get_default_dtype().itemsize
     if needed > available:
         raise ValueError(f"model needs {_size(needed)} for {what}, only {_size(available)} available on {device}")

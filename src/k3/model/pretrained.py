@@ -2,7 +2,8 @@
 
 A release directory holds ``config.json`` (``model_type: kimi_k3``), ``model-0000i-of-0000n.safetensors`` shards
 and their index. Names are ``language_model.model.layers.N.…`` (text), ``vision_tower.…`` and ``mm_projector.…``
-(vision: reported as skipped until the vision encoder exists). Our names ↔ the release's:
+(vision; skipped, and reported in ``model.release.skipped``, only for a config without vision). Our names ↔ the
+release's:
 
 ==========================================  ==========================================================
 ``embed_tokens`` / ``norm`` / ``lm_head``   ``language_model.model.embed_tokens`` / ``model.norm`` / ``lm_head``
@@ -18,6 +19,7 @@ MoE ``ffn.router.{weight,balance_bias}``    ``block_sparse_moe.gate.{weight,e_sc
 MoE ``ffn.latent_{down,norm,up}``           ``block_sparse_moe.routed_expert_{down_proj,norm,up_proj}``
 MoE ``ffn.shared.*``                        ``block_sparse_moe.shared_experts.*``
 MoE ``ffn.experts.packed.E.wI.weight_*``    ``block_sparse_moe.experts.E.wI.weight_{packed,scale}`` (MXFP4)
+``vision.vision_tower.*`` / ``vision.mm_projector.*``  ``vision_tower.*`` / ``mm_projector.*`` (`k3.model.vision`)
 ==========================================  ==========================================================
 
 Loading memory-maps the shards (`k3.model.safetensors_io.Shards`): packed experts stay views of the files,
@@ -87,6 +89,8 @@ def _rules(model: torch.nn.Module) -> list[Rule]:
         rules.append(Rule("final_key_gain", (MODEL + "output_attn_res_norm.weight",)))
     for i, layer in enumerate(model.layers):
         rules += _layer_rules(cfg, i, layer)
+    if model.vision is not None:  # `k3.model.vision` keeps the release's module names
+        rules += [Rule(f"vision.{name}", (name,)) for name in model.vision.state_dict()]
     return rules
 
 
