@@ -125,6 +125,10 @@ class MoEConfig:
     routed_scaling_factor: float = 1.0  # multiplies the routed mixture (Kimi Linear: 2.446)
 
 
+#: ``<|media|>`` of our trainable tokenizer (`k3.tokenization.bpe.SPECIAL_TOKENS`): the presets' visual slot.
+MEDIA_TOKEN_ID = 11
+
+
 @dataclass
 class VisionConfig:
     """MoonViT-V2 encoder and projector (SPEC §6, §10: the released vision_config)."""
@@ -144,6 +148,8 @@ class VisionConfig:
     max_frames: int = 4  # frames per video chunk (release: init_pos_emb_time; the time embedding's rows)
     rope_theta: float = 10000.0  # 2-D rotary embedding inside attention (release: Rope2DPosEmbRepeated)
     norm_eps: float = 1.1920928955078125e-07  # encoder RMSNorms: torch.nn.RMSNorm's default in fp32 (release)
+    patch_budget: int = 65536  # 14-px patches per image at most; larger images are downscaled (release)
+    media_token_id: int = 163605  # the placeholder a visual token fills (release: <|media_pad|>)
 
     @property
     def qkv_head_dim(self) -> int:
@@ -310,7 +316,9 @@ class K3Config:
             _check(v.out_dim == self.hidden_size, "vision.out_dim", v.out_dim,
                    f"equal to hidden_size={self.hidden_size}")
             _check(v.attention in ("joint", "divided"), "vision.attention", v.attention, "'joint' or 'divided'")
-            _positive(v, "max_frames", prefix="vision")
+            _positive(v, "max_frames", "patch_budget", prefix="vision")
+            _check(isinstance(v.media_token_id, int) and 0 <= v.media_token_id < self.vocab_size,
+                   "vision.media_token_id", v.media_token_id, f"a token id in [0, vocab_size={self.vocab_size})")
             _check(v.qkv_head_dim % 4 == 0, "vision.head_dim", v.qkv_head_dim,
                    "a multiple of 4 (the 2-D rotary embedding turns row and column pairs)")
             _check(v.hidden_size % 2 == 0, "vision.hidden_size", v.hidden_size, "even (the time embedding)")
@@ -439,7 +447,8 @@ def preset(name: str) -> K3Config:
             moe=MoEConfig(num_experts=4, num_experts_per_token=2, num_shared_experts=1, expert_hidden=64,
                           shared_hidden=64, latent_dim=32, first_k_dense=1, dense_hidden=128),
             vision=VisionConfig(num_layers=2, hidden_size=32, num_heads=2, head_dim=None, mlp_hidden=64,
-                                pos_emb_size=8, out_dim=64),
+                                pos_emb_size=8, out_dim=64, patch_budget=1024,
+                                media_token_id=MEDIA_TOKEN_ID),
             mx=MXConfig(enabled=False),  # full precision; `k3 train --qat mx` turns MX on
         )
     if name == "small":
@@ -456,7 +465,8 @@ def preset(name: str) -> K3Config:
             moe=MoEConfig(num_experts=16, num_experts_per_token=2, num_shared_experts=1, expert_hidden=128,
                           shared_hidden=128, latent_dim=128, first_k_dense=1, dense_hidden=768),
             vision=VisionConfig(num_layers=4, hidden_size=128, num_heads=4, head_dim=None, mlp_hidden=512,
-                                pos_emb_size=16, out_dim=256),
+                                pos_emb_size=16, out_dim=256, patch_budget=1024,
+                                media_token_id=MEDIA_TOKEN_ID),
             mx=MXConfig(enabled=False),  # full precision; `k3 train --qat mx` turns MX on
         )
     if name == "mini":  # `make demo`: the most learning in five minutes on 2 cores (benchmarks/demo.py)
@@ -473,7 +483,8 @@ def preset(name: str) -> K3Config:
             moe=MoEConfig(num_experts=8, num_experts_per_token=2, num_shared_experts=1, expert_hidden=128,
                           shared_hidden=128, latent_dim=64, first_k_dense=1, dense_hidden=384),
             vision=VisionConfig(num_layers=2, hidden_size=64, num_heads=2, head_dim=None, mlp_hidden=256,
-                                pos_emb_size=16, out_dim=128),
+                                pos_emb_size=16, out_dim=128, patch_budget=1024,
+                                media_token_id=MEDIA_TOKEN_ID),
             mx=MXConfig(enabled=False),  # full precision; `k3 train --qat mx` turns MX on
         )
     raise ValueError(f"unknown preset {name!r}; expected one of {PRESETS}")

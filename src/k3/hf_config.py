@@ -174,7 +174,7 @@ def from_release_dict(hf: dict[str, Any]) -> K3Config:
                       shared_hidden=f("moe_intermediate_size"), latent_dim=latent,
                       first_k_dense=text.get("first_k_dense_replace", 0), dense_hidden=f("intermediate_size"),
                       activation="situ", routed_scaling_factor=float(text.get("routed_scaling_factor", 1.0))),
-        vision=_vision(hf.get("vision_config"), d),
+        vision=_vision(hf.get("vision_config"), d, hf.get("media_placeholder_token_id", 163605)),
         mx=mx_from_quantization(quant),
     )
 
@@ -226,7 +226,7 @@ def mx_from_quantization(quant: dict[str, Any] | None) -> MXConfig:
     return MXConfig(enabled=True, weight_format="mxfp4", activation_format="mxfp8_e4m3" if inputs else None)
 
 
-def _vision(v: dict[str, Any] | None, d: int) -> VisionConfig:
+def _vision(v: dict[str, Any] | None, d: int, media: int) -> VisionConfig:
     if not v:
         return VisionConfig(enabled=False, out_dim=d)
     f = lambda name: _field(v, name, "vision_config")  # noqa: E731
@@ -250,7 +250,7 @@ def _vision(v: dict[str, Any] | None, d: int) -> VisionConfig:
                         num_heads=heads, head_dim=None if qkv is None else qkv // heads,
                         mlp_hidden=f("vt_intermediate_size"), patch_size=f("patch_size"), merge_size=merge[0],
                         pos_emb_size=v.get("init_pos_emb_height", 0), out_dim=v.get("text_hidden_size", d),
-                        attention="joint", max_frames=v.get("init_pos_emb_time", 4))
+                        attention="joint", max_frames=v.get("init_pos_emb_time", 4), media_token_id=media)
 
 
 def _vision_dict(v: VisionConfig) -> dict[str, Any]:
@@ -304,6 +304,7 @@ def to_release_dict(config: K3Config, template: dict[str, Any] | None = None) ->
     })
     if c.vision.enabled and not hf.get("vision_config"):
         hf["vision_config"] = _vision_dict(c.vision)
+        hf["media_placeholder_token_id"] = c.vision.media_token_id
     if quantization(hf) is None:  # routed experts are always saved packed
         text["quantization_config"] = quantization_config(c.mx if c.mx.enabled else MXConfig())
     return hf

@@ -135,6 +135,24 @@ class K3ForCausalLM(nn.Module):
                              f"[{int(input_ids.min())}, {int(input_ids.max())}]")
         return self.embed_tokens(input_ids)
 
+    def embed_multimodal(self, input_ids: Tensor, pixel_values: Tensor | None = None,
+                         grid_thw: Tensor | list | None = None) -> Tensor:
+        """``[B, T, d]``: text slots read the embedding table, the ``vision.media_token_id`` slots read the visual
+        tokens of ``(pixel_values, grid_thw)`` (`k3.model.vision`), filled in order — batch row, then position
+        (SPEC §6). The count of slots must equal the count of visual tokens."""
+        x = self.embed(input_ids, None)
+        if pixel_values is None:
+            return x
+        if self.vision is None:
+            raise ValueError("pixel_values: this model has no vision encoder (vision.enabled = false)")
+        visual = self.vision(pixel_values, grid_thw).to(x.dtype)
+        slots = input_ids == self.config.vision.media_token_id
+        if int(slots.sum()) != visual.shape[0]:
+            raise ValueError(f"input_ids hold {int(slots.sum())} media placeholders (token "
+                             f"{self.config.vision.media_token_id}) but the images give {visual.shape[0]} visual "
+                             f"tokens")
+        return x.masked_scatter(slots.unsqueeze(-1), visual)
+
     def _start_depth(self, x: Tensor) -> BlockAttnRes | Residual:
         """The depth state after the embedding ``x``: Block AttnRes sources, or a plain residual stream."""
         cfg = self.config
@@ -163,7 +181,15 @@ class K3ForCausalLM(nn.Module):
                 layer.capture, layer.captured = False, None
 
     def forward(self, input_ids: Tensor | None = None, inputs_embeds: Tensor | None = None,
-                state: DecoderState | None = None) -> tuple[Tensor, DecoderState | None]:
+                state: DecoderState | None = None, pixel_values: Tensor | None = None,
+                grid_thw: Tensor | list | None = None) -> tuple[Tensor, DecoderState | None]:
+        """Logits ``[B, T, V]`` and, given ``state``, the advanced state. With ``pixel_values`` and ``grid_thw``
+        the visual tokens fill the media placeholders of ``input_ids`` (`embed_multimodal`); to prefill an image
+        prompt in chunks, pass slices of `embed_multimodal`'s output as ``inputs_embeds``."""
+        if pixel_values is not None:
+            if input_ids is None:
+                raise ValueError("pixel_values: pass input_ids holding the media placeholders")
+            inputs_embeds, input_ids = self.embed_multimodal(input_ids, pixel_values, grid_thw), None
         x = self.embed(input_ids, inputs_embeds)
         B, T = x.shape[:2]
         if T == 0:
