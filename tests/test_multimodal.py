@@ -116,3 +116,82 @@ def test_an_image_prompt_prefills_in_chunks_exactly_as_whole(model):
             logits, state = model(inputs_embeds=embeds[:, start:start + 5], state=state)
             parts.append(logits)
     torch.testing.assert_close(torch.cat(parts, 1), whole, rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------------- generated data and joint training
+def _centroid(pixels: torch.Tensor, grid: tuple[int, int, int], frame: int, rgb: tuple[int, int, int]) -> tuple:
+    """Centre (x, y) in pixels of the points of one colour in a frame of a patched video."""
+    t, h, w = grid
+    x = pixels.view(t, h, w, 3, 14, 14)[frame].permute(0, 3, 1, 4, 2).reshape(h * 14, w * 14, 3)
+    target = (torch.tensor(rgb, dtype=torch.float32) / 255 - 0.5) / 0.5
+    ys, xs = torch.nonzero(((x - target).abs() < 0.02).all(-1), as_tuple=True)
+    return float(xs.float().mean()), float(ys.float().mean())
+
+
+def test_generated_examples_are_deterministic_and_their_labels_true():
+    from k3.train.multimodal import COLOURS, DIRECTIONS, example, moving_shape, scene
+
+    a, b = example(3, 17), example(3, 17)
+    assert a.text == b.text and all(torch.equal(x.pixel_values, y.pixel_values) for x, y in zip(a.visuals, b.visuals))
+    import random
+
+    for i in range(20):
+        video = moving_shape(random.Random(i))
+        colour = video.prompt.split()[5]
+        (chunk,) = video.visuals
+        first, last = _centroid(chunk.pixel_values, chunk.grid, 0, COLOURS[colour]), \
+            _centroid(chunk.pixel_values, chunk.grid, chunk.grid[0] - 1, COLOURS[colour])
+        dx, dy = DIRECTIONS[video.answer.rstrip(".")]
+        assert (last[0] - first[0]) * dx > 20 or (last[1] - first[1]) * dy > 20, (video.text, first, last)
+        picture = scene(random.Random(100 + i))
+        if picture.prompt.startswith("Q: What colour"):
+            (image,) = picture.visuals
+            assert not np.isnan(_centroid(image.pixel_values, image.grid, 0, COLOURS[picture.answer.rstrip(".")])[0])
+
+
+def test_placeholders_are_never_supervised():
+    from k3.train.multimodal import batch_examples, example
+
+    from k3.tokenization.bpe import Tokenizer
+
+    tok = Tokenizer.train(["Q: What colour is the circle? A: red. The image says: cat."] * 3, 300)
+    examples = [example(0, i) for i in range(6)]
+    inputs, targets, mask, (pixels, grids) = batch_examples(examples, tok, MEDIA_TOKEN_ID)
+    for row, ex in enumerate(examples):
+        slots = sum(v.tokens for v in ex.visuals)
+        assert inputs[row, 0] == tok.bos_id and inputs[row, 1:1 + slots].eq(MEDIA_TOKEN_ID).all()
+        assert not mask[row, :slots].any()  # predicting a placeholder is never a target
+        assert mask[row, slots]  # the first text token after the image is
+    assert not mask[targets == MEDIA_TOKEN_ID].any() and not mask[targets == tok.pad_id].any()
+    assert int((inputs == MEDIA_TOKEN_ID).sum()) == sum(v.tokens for ex in examples for v in ex.visuals)
+    assert grids.shape[0] == sum(len(ex.visuals) for ex in examples) and pixels.shape[0] == int(grids.prod(1).sum())
+
+
+def test_multimodal_training_resumes_exactly(tmp_path, corpus):
+    from k3.train.loop import read_metrics, train
+    from training import config
+
+    changes = dict(multimodal=True, multimodal_batch=4, steps=4, ckpt_every=2, eval_every=4)
+    train(config(tmp_path / "whole", corpus, **changes))
+    for _ in range(2):  # a zero time budget stops after one step, with a checkpoint
+        train(config(tmp_path / "split", corpus, **changes, max_minutes=0.0), resume=True)
+    train(config(tmp_path / "split", corpus, **changes), resume=True)
+    whole, split = (read_metrics(tmp_path / name / "metrics.jsonl") for name in ("whole", "split"))
+    assert [r["loss"] for r in whole] == pytest.approx([r["loss"] for r in split], rel=1e-6)
+    assert "colour_accuracy" in whole[-1]
+
+
+@pytest.mark.slow
+def test_a_tiny_multimodal_model_answers_held_out_colour_questions(tmp_path, corpus, capsys):
+    """Trained jointly on text and generated images (~2 minutes on 2 cores), the tiny model names the colour of
+    shapes in scenes it never saw, far above chance."""
+    from k3.train.loop import train
+    from k3.train.multimodal import COLOURS, colour_accuracy
+    from training import config
+
+    run = train(config(tmp_path / "mm", corpus, steps=600, tokens_per_step=256, curriculum=[[0.0, 32]],
+                       eval_every=600, ckpt_every=600, multimodal=True, multimodal_batch=16))
+    accuracy, chance = colour_accuracy(run.model, run.tokenizer, n=60), 1 / len(COLOURS)
+    with capsys.disabled():
+        print(f"\nheld-out colour questions: accuracy {accuracy:.2f} vs chance {chance:.2f} (60 scenes)")
+    assert accuracy >= 0.7 > 3 * chance

@@ -88,7 +88,7 @@ def _train(args: argparse.Namespace) -> int:
         grad_accum=args.grad_accum, curriculum=args.curriculum, bf16=args.bf16, eval_every=args.eval_every,
         ckpt_every=args.ckpt_every, eval_seq_len=args.eval_seq_len, seed=args.seed, data=args.data or [],
         balance=args.balance, max_minutes=args.max_minutes, progress=not args.no_progress, optim=optim,
-        threads=args.threads, qat=args.qat,
+        threads=args.threads, qat=args.qat, multimodal=args.multimodal,
         data_limit_bytes=None if args.data_limit_mb is None else int(args.data_limit_mb * 2**20),
     )
     run = train(config, resume=args.resume)
@@ -369,6 +369,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="QK-clip threshold tau for MLA heads (default: Kimi K2's 100; 0 disables)")
     tr.add_argument("--balance", choices=("exact", "histogram", "bias-step", "none"), default="exact")
     tr.add_argument("--bf16", action="store_true", help="bf16 autocast")
+    tr.add_argument("--multimodal", action="store_true", help="add generated image-text examples (shapes, "
+                    "rendered text, plots, moving-shape videos) to every step, from step 0")
     tr.add_argument("--qat", choices=("mx",), help="quantization-aware training: routed experts on MXFP4 weights "
                     "and MXFP8 E4M3 inputs (fake-quantized, straight-through); may start on a full-precision run "
                     "with --resume")

@@ -26,6 +26,7 @@ from k3.model.lm import K3ForCausalLM
 from k3.model.memory import check_fits
 from k3.model.sequence.mla import GatedMLA
 from k3.train import checkpoint as ckpt
+from k3.train import multimodal
 from k3.model import checkpoint as model_ckpt
 from k3.train.balance import QuantileBalancer
 from k3.train.data import (
@@ -100,6 +101,8 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     model: dict[str, Any] | None = None  # a full K3Config dict overriding ``preset`` (recipe ablations)
     qat: str | None = None  # "mx": quantization-aware training of the routed experts (`QAT_MX`, SPEC §7)
+    multimodal: bool = False  # add a micro-batch of generated image–text examples to every step (SPEC §6)
+    multimodal_batch: int = 8  # examples in that micro-batch
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -136,13 +139,16 @@ class TrainConfig:
 
     def validate(self) -> TrainConfig:
         for name in ("steps", "tokens_per_step", "grad_accum", "eval_every", "ckpt_every", "log_every",
-                     "eval_batches", "eval_seq_len"):
+                     "eval_batches", "eval_seq_len", "multimodal_batch"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"train.{name} = {value!r} is invalid: must be a positive integer")
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
             raise ValueError(f"train.threads = {self.threads!r} is invalid: a positive integer, or None to adapt")
-        context = self.model_config().context_length
+        model = self.model_config()
+        if self.multimodal and not model.vision.enabled:
+            raise ValueError("train.multimodal needs a model with a vision encoder (vision.enabled = true)")
+        context = model.context_length
         self._validate_curriculum(context)
         if self.eval_seq_len > context:
             raise ValueError(f"train.eval_seq_len = {self.eval_seq_len} is beyond the model's context_length "
@@ -332,15 +338,16 @@ class Run:
         each micro-batch backpropagates its loss sum divided by the step's total count (known from the
         masks before any forward), so splitting a batch into micro-batches never reweights a position.
         """
-        supervised = sum(int(mask.sum()) for _, _, mask in batches)
+        supervised = sum(int(mask.sum()) for _, _, mask, *_ in batches)
         if supervised == 0:
             raise ValueError(f"step {self.step_index + 1}: its {len(batches)} micro-batch(es) have no supervised "
                              f"positions")
         self.model.train()
         total = 0.0
-        for inputs, targets, mask in batches:
+        for inputs, targets, mask, *images in batches:  # a multimodal micro-batch carries (pixels, grids)
+            pixels, grids = images[0] if images else (None, None)
             with self._autocast():
-                logits, _ = self.model(inputs)
+                logits, _ = self.model(inputs, pixel_values=pixels, grid_thw=grids)
             loss_sum, _ = masked_loss_sum(logits.float(), targets, mask)
             (loss_sum / supervised).backward()
             total += loss_sum.item()
@@ -355,9 +362,11 @@ class Run:
         clip = cfg.optim.qk_clip
         for layer in self._mla_layers():
             layer.record_max_logits, layer.max_logits = clip is not None, None
-        batches = [next(self.train_loader) for _ in range(cfg.grad_accum)]
+        batches: list[tuple] = [next(self.train_loader) for _ in range(cfg.grad_accum)]
+        if cfg.multimodal:
+            batches.append(self._multimodal_batch())
         loss = self._accumulate(batches)
-        tokens = sum(inputs.numel() for inputs, _, _ in batches)
+        tokens = sum(inputs.numel() for inputs, *_ in batches)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.clip_grad))
         lr = self.optimizers[0].param_groups[0]["lr"]
         for opt in self.optimizers:
@@ -377,6 +386,12 @@ class Run:
                 layer.record_max_logits, layer.max_logits = False, None
         self.step_index += 1
         return record
+
+    def _multimodal_batch(self) -> tuple:
+        """This step's generated image–text examples (a function of the seed and the step: resumes exactly)."""
+        n = self.config.multimodal_batch
+        examples = [multimodal.example(self.config.seed, self.step_index * n + i) for i in range(n)]
+        return multimodal.batch_examples(examples, self.tokenizer, self.model_config.vision.media_token_id)
 
     @torch.no_grad()
     def evaluate(self, batches: int | None = None) -> float:
@@ -439,6 +454,8 @@ def _train_steps(run: Run, config: TrainConfig) -> None:
         if run.step_index % config.eval_every == 0 or run.step_index == config.steps or out_of_time:
             record["val_loss"] = run.last_val_loss = run.evaluate()
             record["val_ppl"] = math.exp(min(record["val_loss"], 50))
+            if config.multimodal:
+                record["colour_accuracy"] = multimodal.colour_accuracy(run.model, run.tokenizer)
         if run.step_index % config.log_every == 0 or "val_loss" in record:
             run.log(record)
         if bar is not None:
