@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from k3.config import VisionConfig, preset
+from k3.config import MEDIA_TOKEN_ID, VisionConfig, preset
 from k3.model.vision import VisionModel
 
 PATCH = 3 * 14 * 14
@@ -18,7 +18,8 @@ PATCH = 3 * 14 * 14
 def _config(attention: str, pos: int = 4) -> object:
     c = preset("tiny")
     c.vision = VisionConfig(num_layers=3, hidden_size=16, num_heads=2, head_dim=8, mlp_hidden=24, pos_emb_size=pos,
-                            out_dim=c.hidden_size, attention=attention, max_frames=3)
+                            out_dim=c.hidden_size, attention=attention, max_frames=3,
+                            media_token_id=MEDIA_TOKEN_ID)
     return c.validate()
 
 
