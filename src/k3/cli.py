@@ -289,6 +289,7 @@ def _chat(args: argparse.Namespace) -> int:
     fmt = chat_format(tokenizer)
     mode, history = args.mode, []
     stops = fmt.stop_ids(tokenizer)
+    visuals = _chat_images(args.image, engine, fmt)
     print(f"k3 chat ({mode} mode). Commands: /reset, /mode thinking|instruct, /quit", flush=True)
     for line in sys.stdin:
         line = line.rstrip("\n")
@@ -306,8 +307,9 @@ def _chat(args: argparse.Namespace) -> int:
                 mode = wanted
                 print(f"({mode} mode)", flush=True)
             continue
-        history.append({"role": "user", "content": line})
-        prompt = fmt.render(history, tokenizer, mode)
+        images = [{"type": "image_url", "image_url": {"url": path}} for path in args.image] if not history else []
+        history.append({"role": "user", "content": [*images, {"type": "text", "text": line}] if images else line})
+        prompt = fmt.render(history, tokenizer, mode, **_slots(visuals))  # the images lead the first message
         budget = engine.max_model_len - len(prompt)
         if budget < 1:
             print("(the conversation fills the context; /reset to start over)", flush=True)
@@ -317,7 +319,8 @@ def _chat(args: argparse.Namespace) -> int:
                                 top_p=args.top_p, seed=args.seed, stop_token_ids=stops)
         parts = {"reasoning": "", "content": "", "tools": ""}
         channel = None
-        for output in engine.generate(prompt, params, processor=fmt.AssistantParser(tokenizer, mode)):
+        for output in engine.generate(prompt, params, processor=fmt.AssistantParser(tokenizer, mode),
+                                      images=visuals or None):
             for ch, text in output.deltas:
                 if ch != channel:
                     print(f"\n[{ch}] " if channel else f"[{ch}] ", end="")
@@ -328,6 +331,29 @@ def _chat(args: argparse.Namespace) -> int:
         history.append({"role": "assistant", "content": parts["content"] + parts["tools"],
                         "reasoning_content": parts["reasoning"]})
     return 0
+
+
+def _slots(visuals: list) -> dict:
+    """``render``'s ``media`` for the ``--image`` parts: each takes its image's visual-token count, in order."""
+    counts = iter([v.tokens for v in visuals])
+    return {"media": lambda part, where: next(counts)} if visuals else {}
+
+
+def _chat_images(paths: list[str], engine, fmt) -> list:
+    """The ``--image`` files as model inputs (a ValueError naming the file if one does not decode)."""
+    if not paths:
+        return []
+    if engine.model.vision is None or not getattr(fmt, "IMAGES", False):
+        raise ValueError("--image: this model has no vision encoder, or its chat format has no image slots")
+    from k3.model.image import image_input
+
+    out = []
+    for path in paths:
+        try:
+            out.append(image_input(path, engine.model.config.vision.patch_budget))
+        except ValueError as err:
+            raise ValueError(f"--image {path}: {err}") from err
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -481,6 +507,8 @@ def main(argv: list[str] | None = None) -> int:
             sub.add_argument("--temperature", type=float, default=0.7)
             sub.add_argument("--top-p", type=float, default=0.95)
             sub.add_argument("--seed", type=int)
+            sub.add_argument("--image", action="append", default=[], metavar="PATH",
+                             help="an image (PNG, JPEG, WebP, ...) shown with the first message (repeatable)")
 
     ro = commands.add_parser("route", help="a cache-aware router in front of running `k3 serve` replicas")
     ro.add_argument("--replica", action="append", required=True, metavar="URL",

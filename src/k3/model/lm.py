@@ -214,7 +214,8 @@ class K3ForCausalLM(nn.Module):
                        replay: list[bool] | None = None) -> list[tuple[Tensor, DecoderState]]:
         """Continue several batches in one pass (serving: decode rows and a prefill chunk together).
 
-        ``groups`` are ``(input_ids [B_g, T_g], state_g)``; returns per group the logits of each row's last
+        ``groups`` are ``(input_ids [B_g, T_g], state_g)`` (or embeddings ``[B_g, T_g, d]``, e.g. a chunk of
+        `embed_multimodal`'s output, in place of the ids); returns per group the logits of each row's last
         position ``[B_g, V]`` (with ``full[g]``: of every position, ``[B_g·T_g, V]``, rows first) and the
         advanced state — what `forward` gives per group. With ``replay[g]`` (batch-1 groups: a speculative
         verification) the returned state carries a `Replay`, so ``state.accept(n)`` gives the state after only
@@ -224,11 +225,13 @@ class K3ForCausalLM(nn.Module):
         if not groups:
             raise ValueError("groups: expected at least one (input_ids, state) pair")
         for g, (ids, state) in enumerate(groups):
-            if ids.dim() != 2 or state is None or state.batch_size != ids.shape[0] or len(state.layers) != len(
-                    self.layers):
-                raise ValueError(f"groups[{g}]: expected input_ids [B, T] and a DecoderState of batch size B")
-        shapes = [ids.shape for ids, _ in groups]
-        x = torch.cat([self.embed(ids, None).reshape(1, -1, self.config.hidden_size) for ids, _ in groups], 1)
+            if ids.dim() != (3 if ids.is_floating_point() else 2) or state is None or \
+                    state.batch_size != ids.shape[0] or len(state.layers) != len(self.layers):
+                raise ValueError(f"groups[{g}]: expected input_ids [B, T] (or embeddings [B, T, d]) and a "
+                                 f"DecoderState of batch size B")
+        shapes = [ids.shape[:2] for ids, _ in groups]
+        x = torch.cat([(self.embed(None, ids) if ids.is_floating_point() else self.embed(ids, None))
+                       .reshape(1, -1, self.config.hidden_size) for ids, _ in groups], 1)
         depth = self._start_depth(x)
         sizes = [B * T for B, T in shapes]
         layer_states: list[list] = [[] for _ in groups]

@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from k3.serve.detok import IncrementalDetokenizer
 from k3.tokenization.bpe import NUM_SPECIAL_TOKENS, SPECIAL_TOKENS, Tokenizer
+
+#: This format lays out images (``render(..., media=...)``).
+IMAGES = True
 
 __all__ = ["MODES", "AssistantParser", "format_tool_calls", "normalize", "parse", "parse_tool_calls", "render",
            "render_text", "stop_ids"]
@@ -55,24 +58,38 @@ def _check_mode(mode: str) -> None:
         raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
 
 
+#: Turns an ``image_url`` content part (and where it is) into its number of visual placeholder slots.
+Media = Callable[[dict, str], int]
+
+
 def _text(content: Any, where: str) -> str:
     """A string, or the concatenated text of an OpenAI content-part list."""
+    return "".join(_pieces(content, where, None))
+
+
+def _pieces(content: Any, where: str, media: Media | None) -> list[str | int]:
+    """A string, or an OpenAI content-part list as text pieces and, where ``media`` is given, the slot counts of
+    its ``image_url`` parts (refused without it)."""
     if isinstance(content, str):
-        return content
+        return [content]
     if not isinstance(content, list):
         got = "nothing" if content is None else type(content).__name__
         raise ValueError(f"{where}: expected a string or a list of content parts, got {got}")
-    texts = []
+    pieces: list[str | int] = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "image_url" and media is not None:
+            pieces.append(media(part, f"{where}[{j}]"))
+            continue
         if kind != "text":
             if isinstance(kind, str):
-                raise ValueError(f"{where}[{j}]: content part type {kind!r} is not supported by this server")
+                raise ValueError(f"{where}[{j}]: content part type {kind!r} is not supported by this server"
+                                 + (" for this model" if kind == "image_url" else ""))
             raise ValueError(f"{where}[{j}]: expected a content part object with a 'type'")
         if not isinstance(part.get("text"), str):
             raise ValueError(f"{where}[{j}].text: expected a string")
-        texts.append(part["text"])
-    return "".join(texts)
+        pieces.append(part["text"])
+    return pieces
 
 
 def _checked_calls(calls: Any, where: str, id_required: bool = True) -> list[tuple[int, dict, dict]]:
@@ -112,11 +129,14 @@ def _role(i: int, m: Any) -> tuple[str, str]:
     return where, role
 
 
-def _message(i: int, m: Any, mode: str) -> dict:
+def _message(i: int, m: Any, mode: str, media: Media | None = None) -> dict:
     where, role = _role(i, m)
     if role != "assistant":
-        content = _text(m.get("content"), f"{where}.content")
-        out = {"role": "system" if role == "developer" else role, "content": content}
+        pieces = _pieces(m.get("content"), f"{where}.content", media if role == "user" else None)
+        out = {"role": "system" if role == "developer" else role,
+               "content": "".join(p for p in pieces if isinstance(p, str))}
+        if any(isinstance(p, int) for p in pieces):
+            out["pieces"] = pieces  # text and images in order (`render` lays images out as placeholder slots)
         if role == "tool":
             cid = m.get("tool_call_id")
             if not isinstance(cid, str) or not cid or "\n" in cid:
@@ -135,7 +155,8 @@ def _message(i: int, m: Any, mode: str) -> dict:
     return out
 
 
-def normalize(messages: Sequence[dict], mode: str = "thinking", tools: list[dict] | None = None) -> list[dict]:
+def normalize(messages: Sequence[dict], mode: str = "thinking", tools: list[dict] | None = None,
+              media: Media | None = None) -> list[dict]:
     """The messages as ``parse(render(messages, mode=mode, tools=tools))`` returns them.
 
     Content becomes a string, developer becomes system, reasoning is dropped (instruct) or defaults to ``""``
@@ -145,7 +166,7 @@ def normalize(messages: Sequence[dict], mode: str = "thinking", tools: list[dict
     _check_mode(mode)
     if not isinstance(messages, (list, tuple)) or not messages:
         raise ValueError("messages: expected a non-empty list")
-    return _drop_carrier([_message(i, m, mode) for i, m in enumerate(messages)], tools)
+    return _drop_carrier([_message(i, m, mode, media) for i, m in enumerate(messages)], tools)
 
 
 def _drop_carrier(msgs: list[dict], tools: Any) -> list[dict]:
@@ -191,23 +212,27 @@ def parse_tool_calls(text: str) -> list[dict] | None:
 
 def render(messages: Sequence[dict], tokenizer: Tokenizer, mode: str = "thinking", tools: list[dict] | None = None,
            add_generation_prompt: bool = True, tool_choice: str = "auto",
-           response_format: dict | None = None) -> list[int]:
+           response_format: dict | None = None, media: Media | None = None) -> list[int]:
     """Token ids of a conversation in the K3 chat format; ``ValueError`` naming the field for invalid input.
 
     ``tool_choice="none"`` leaves the tools out. The format has no words for a forced tool call or a
-    ``response_format``: those are enforced by constrained decoding alone (`k3.serve.structured`)."""
+    ``response_format``: those are enforced by constrained decoding alone (`k3.serve.structured`). With
+    ``media``, a user message's ``image_url`` parts become ``<|media|>`` slots, one per visual token, in place."""
     tools = None if tool_choice == "none" else tools
-    msgs = normalize(messages, mode)
+    msgs = normalize(messages, mode, media=media)
+    slot = tokenizer.special_id("media")
     thinking = mode == "thinking"
     tool_text = _dumps(_functions(tools)) if tools is not None else None
     if tools and msgs[0]["role"] != "system":
         msgs.insert(0, {"role": "system", "content": ""})
     ids: list[int] = []
 
-    def emit(*pieces: str | int) -> None:
+    def emit(*pieces: str | int | list[int]) -> None:
         for p in pieces:
             if isinstance(p, int):
                 ids.append(p)
+            elif isinstance(p, list):
+                ids.extend(p)
             elif _SURROGATE.search(p):
                 raise ValueError(f"text {p[:40]!r}... contains a lone surrogate, which is not valid Unicode")
             else:
@@ -217,7 +242,7 @@ def render(messages: Sequence[dict], tokenizer: Tokenizer, mode: str = "thinking
         if m["role"] == "system":
             emit(_SYSTEM, m["content"], *((_TOOLS, tool_text) if tools and i == 0 else ()), _END)
         elif m["role"] == "user":
-            emit(_USER, m["content"], _END)
+            emit(_USER, *(p if isinstance(p, str) else [slot] * p for p in m.get("pieces", [m["content"]])), _END)
         elif m["role"] == "tool":
             emit(_TOOL, f"{m['tool_call_id']}\n{m['content']}", _END)
         else:

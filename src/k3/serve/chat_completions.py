@@ -45,19 +45,26 @@ class ChatCompletions(Route):
         fmt = chat_format(self.tokenizer)
         tool_choice = body.tool_choice if isinstance(body.tool_choice, str) else "required" if forced else "auto"
         response_format = body.response_format.model_dump(by_alias=True) if body.response_format else None
+        images = s.image_parts() if getattr(fmt, "IMAGES", False) else None
+        media = {} if images is None else {"media": images}
         try:
             prompt = await run_in_threadpool(lambda: fmt.render(body.messages, self.tokenizer, mode, body.tools,
                                                                 tool_choice=tool_choice,
-                                                                response_format=response_format))
+                                                                response_format=response_format, **media))
         except ValueError as err:
             raise APIError(400, str(err), param="messages") from err
         prompt = body.truncate(prompt)
+        if images is not None and prompt.count(self.tokenizer.special_id("media")) != sum(
+                i.tokens for i in images.inputs):
+            raise APIError(400, "truncate_prompt_tokens: truncation would cut into an image's slots",
+                           param="truncate_prompt_tokens")
         stop_ids = fmt.stop_ids(self.tokenizer)
         constraint = await s.constraint(schema, stop_ids, forced or "response_format") if structured else None
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         top = (body.top_logprobs or 0) if body.logprobs else None
         run = s.submit([(prompt, params, fmt.AssistantParser(self.tokenizer, mode)) for params in body.sampling(
-            s.max_tokens(requested, len(prompt)), stop_ids, top, self.tokenizer.vocab_size, constraint)])
+            s.max_tokens(requested, len(prompt)), stop_ids, top, self.tokenizer.vocab_size, constraint)],
+            images=images.inputs if images is not None and images.inputs else None)
         separate = body.separate_reasoning if body.separate_reasoning is not None else s.separate_reasoning
         reply = _Reply(s.model_name, body, mode, self.tokenizer.decode, len(prompt), fmt.parse_tool_calls, separate,
                        forced)

@@ -43,11 +43,13 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from k3.model.image import VisualInput
 from k3.model.lm import K3ForCausalLM
 from k3.model.state import DecoderState
 from k3.serve.cache import PrefixCache
 from k3.serve.detok import IncrementalDetokenizer
 from k3.serve.drafting import Draft, Drafter, proposals, verify_run
+from k3.serve.images import prompt_embeddings
 from k3.serve.sampling import SamplingParams, TokenLogprob, choose, process, score_prompt
 from k3.tokenization.bpe import Tokenizer
 
@@ -144,6 +146,16 @@ class _Request:
     cached: int = 0  # prompt tokens restored from the prefix cache
     pins: list = field(default_factory=list)  # prefix-cache entries held while the request runs
     cuts: list[int] = field(default_factory=list)  # prompt positions where prefill chunks end (cache checkpoints)
+    embeds: Tensor | None = None  # [T, d] prompt embeddings with the visual tokens spliced in (image prompts)
+    image_key: str | None = None  # digest of the prompt's images: prefixes are shared only with the same images
+
+    @property
+    def salt(self) -> str | None:
+        """The prefix-cache salt: the request's ``cache_salt``, and its images (the placeholder ids alone do not
+        say which image fills them)."""
+        if self.image_key is None:
+            return self.params.cache_salt
+        return f"{self.params.cache_salt or ''}|images:{self.image_key}"
 
 
 class Engine:
@@ -185,23 +197,30 @@ class Engine:
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: list[int], params: SamplingParams, *, request_id: str | None = None,
                     processor: Processor | None = None, callback: Callable[[Output], None] | None = None,
-                    group: str | None = None) -> str:
+                    group: str | None = None, images: list[VisualInput] | None = None) -> str:
         """Queue a request (thread-safe); ``callback`` receives its `Output` after every step. Requests of
         one ``group`` (e.g. the choices of one HTTP request; default: the request alone) take turns with
-        other groups for admission. Raises ValueError for an invalid request, `QueueFull` when the waiting
-        queue is full."""
+        other groups for admission. ``images`` fill the prompt's media placeholders in order. Raises ValueError
+        for an invalid request, `QueueFull` when the waiting queue is full."""
         return self.add_requests([(prompt, params, processor, callback)], group=group,
-                                 request_ids=None if request_id is None else [request_id])[0]
+                                 request_ids=None if request_id is None else [request_id], images=images)[0]
 
     def add_requests(self, jobs: list[tuple[list[int], SamplingParams, Processor | None,
                                             Callable[[Output], None] | None]], *, group: str | None = None,
-                     request_ids: list[str] | None = None) -> list[str]:
+                     request_ids: list[str] | None = None, images: list[VisualInput] | None = None) -> list[str]:
         """Queue several requests of one group atomically: all are validated first, and either all are
-        queued or none (ValueError naming the problem, `QueueFull`)."""
+        queued or none (ValueError naming the problem, `QueueFull`). ``images`` belong to every job's prompt."""
         requests = []
+        encoded: dict[tuple, tuple[Tensor, str]] = {}  # the jobs of one group usually share their prompt
         for i, (prompt, params, processor, callback) in enumerate(jobs):
             request_id = request_ids[i] if request_ids else f"req-{next(self._ids)}"
-            requests.append(self._request(prompt, params, processor, callback, request_id, group or request_id))
+            request = self._request(prompt, params, processor, callback, request_id, group or request_id)
+            if images:
+                key = tuple(prompt)
+                if key not in encoded:
+                    encoded[key] = prompt_embeddings(self.model, prompt, images)
+                request.embeds, request.image_key = encoded[key]
+            requests.append(request)
         with self._wake:
             waiting = self.num_waiting
             if waiting + len(requests) > self.max_waiting:
@@ -313,7 +332,7 @@ class Engine:
         if cache is None:
             return
         request.cuts = cache.boundaries(len(request.prompt))
-        hit = cache.lookup(request.prompt, request.params.cache_salt) if request.prompt_logprobs is None else None
+        hit = cache.lookup(request.prompt, request.salt) if request.prompt_logprobs is None else None
         if hit is not None:
             request.state, request.prefilled, request.cached, request.pins = hit.state, hit.length, hit.length, \
                 hit.keys
@@ -321,7 +340,7 @@ class Engine:
     def _checkpoint(self, request: _Request) -> None:
         """Give the prefix cache the state at a boundary the prefill just reached."""
         if self.prefix_cache is not None and request.prefilled in request.cuts:
-            self.prefix_cache.insert(request.prompt[:request.prefilled], request.state, request.params.cache_salt)
+            self.prefix_cache.insert(request.prompt[:request.prefilled], request.state, request.salt)
 
     def _abort_cancelled(self) -> None:
         with self._queue_lock:
@@ -377,7 +396,9 @@ class Engine:
         untouched until it returns (so a failed pass can be retried); sampling is then per request."""
         drafts = proposals(self.drafter, ready, self.num_draft_tokens, self.max_model_len)
         ready = [r for r in ready if r.id not in drafts]
-        groups = [(torch.tensor([chunk]), request.state) for request, chunk in chunks]
+        groups = [(torch.tensor([chunk]) if request.embeds is None else
+                   request.embeds[request.prefilled:request.prefilled + len(chunk)].unsqueeze(0), request.state)
+                  for request, chunk in chunks]
         full = [request.prompt_logprobs is not None for request, _ in chunks]
         speculating = [r for r in self.running.values() if r.id in drafts]
         groups += [(torch.tensor([[r.pending, *drafts[r.id].tokens]]), r.state) for r in speculating]
@@ -597,10 +618,11 @@ class Engine:
             self.step()
 
     def generate(self, prompt: list[int], params: SamplingParams, processor: Processor | None = None,
-                 request_id: str | None = None) -> Iterator[Output]:
+                 request_id: str | None = None, images: list[VisualInput] | None = None) -> Iterator[Output]:
         """Yield the request's outputs until it finishes; steps inline when no background thread runs."""
         outputs: queue.SimpleQueue[Output] = queue.SimpleQueue()
-        rid = self.add_request(prompt, params, request_id=request_id, processor=processor, callback=outputs.put)
+        rid = self.add_request(prompt, params, request_id=request_id, processor=processor, callback=outputs.put,
+                               images=images)
         try:
             while True:
                 if self._thread is None:

@@ -45,9 +45,10 @@ class Limits:
     max_connections: int = 512  # open connections + running requests (503 beyond)
     drain_timeout: float = 30.0  # seconds a SIGTERM waits for running requests before cancelling them
     public_docs: bool = False  # serve /docs and /openapi.json without the API key
+    max_images: int = 8  # image_url parts in one request (400 beyond)
 
     def __post_init__(self) -> None:
-        for name in ("max_body_bytes", "max_choices", "max_connections"):
+        for name in ("max_body_bytes", "max_choices", "max_connections", "max_images"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected a positive integer, got {getattr(self, name)!r}")
         for name in ("header_timeout", "body_timeout", "keep_alive_timeout", "request_timeout", "drain_timeout"):

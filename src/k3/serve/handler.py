@@ -19,8 +19,10 @@ from fastapi import Request
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
+from k3.model.image import VisualInput
 from k3.serve.engine import Engine, Output, Processor, SamplingParams
 from k3.serve.guard import Limits
+from k3.serve.images import ImageParts
 from k3.serve.jobs import Jobs, error_of
 from k3.serve.metrics import Metrics
 from k3.serve.protocol import APIError, parse_body, sse, usage
@@ -77,10 +79,18 @@ class Serving:
         except ValueError as err:
             raise APIError(400, f"{param}: {err}", param=param) from err
 
-    def submit(self, jobs: list[tuple[list[int], SamplingParams, Processor | None]]) -> Jobs:
-        """Queue the request's jobs as one group, with the server's request timeout."""
+    def submit(self, jobs: list[tuple[list[int], SamplingParams, Processor | None]],
+               images: list[VisualInput] | None = None) -> Jobs:
+        """Queue the request's jobs as one group, with the server's request timeout; ``images`` fill the prompt's
+        media placeholders."""
         return Jobs(self.engine, jobs, group=uuid.uuid4().hex, timeout=self.limits.request_timeout,
-                    timer=self.metrics.timer())
+                    timer=self.metrics.timer(), images=images)
+
+    def image_parts(self) -> ImageParts | None:
+        """A collector for a request's ``image_url`` parts, if the model has a vision encoder."""
+        if self.engine.model.vision is None:
+            return None
+        return ImageParts(self.engine.model.config.vision.patch_budget, self.limits.max_images)
 
 
 class Route:

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import Request
 
+from k3.model.image import VisualInput
 from k3.serve.engine import Engine, Output, Processor, QueueFull, SamplingParams
 from k3.serve.metrics import Timer
 from k3.serve.protocol import APIError, invalid
@@ -21,7 +22,8 @@ class Jobs:
     job is a 400, a full queue a 429 with ``Retry-After``."""
 
     def __init__(self, engine: Engine, jobs: list[tuple[list[int], SamplingParams, Processor | None]],
-                 group: str, timeout: float | None, timer: Timer | None = None) -> None:
+                 group: str, timeout: float | None, timer: Timer | None = None,
+                 images: list[VisualInput] | None = None) -> None:
         self.engine = engine
         self.queue: asyncio.Queue[tuple[int, Output]] = asyncio.Queue()
         self.deadline = None if timeout is None else time.monotonic() + timeout
@@ -37,7 +39,8 @@ class Jobs:
 
         try:
             self.ids = engine.add_requests([(prompt, params, processor, callback(i))
-                                            for i, (prompt, params, processor) in enumerate(jobs)], group=group)
+                                            for i, (prompt, params, processor) in enumerate(jobs)], group=group,
+                                           images=images)
         except QueueFull as err:
             raise APIError(429, str(err), type="rate_limit_error", code="queue_full",
                            headers={"Retry-After": str(err.retry_after)}) from err

@@ -1,0 +1,78 @@
+"""Images in requests (issue 16, item 4; SPEC §6): OpenAI ``image_url`` content parts with ``data:`` URLs → model
+inputs, and an image prompt's embeddings for the engine.
+
+`ImageParts` is what a chat renderer calls for each ``image_url`` part: it decodes the data URL (PNG, JPEG, WebP,
+GIF; transparency composited, `k3.model.image`), keeps the `VisualInput` and returns how many placeholder slots the
+image takes. Anything wrong — a URL that is not ``data:image/…;base64``, bytes that do not decode, more images than
+the server allows — is a ValueError naming the part (a 400). This server never fetches a remote URL.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import re
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from k3.model.image import VisualInput, batch, image_input
+from k3.model.lm import K3ForCausalLM
+
+_DATA_URL = re.compile(r"data:image/(png|jpeg|jpg|webp|gif);base64,(.*)", re.DOTALL | re.IGNORECASE)
+MAX_IMAGE_BYTES = 20 * 2**20
+
+
+def decode_data_url(url: Any, where: str) -> bytes:
+    """The bytes of a ``data:image/{png,jpeg,webp,gif};base64,…`` URL."""
+    if not isinstance(url, str):
+        raise ValueError(f"{where}: expected a string URL")
+    found = _DATA_URL.fullmatch(url.strip())
+    if found is None:
+        what = "a remote URL (this server does not fetch)" if url.startswith(("http://", "https://")) else \
+            "not a data:image/png|jpeg|webp|gif;base64 URL"
+        raise ValueError(f"{where}: {what}; send the image inline as a base64 data URL")
+    if len(found.group(2)) > MAX_IMAGE_BYTES * 4 // 3 + 4:
+        raise ValueError(f"{where}: the image is larger than {MAX_IMAGE_BYTES // 2**20} MiB")
+    try:
+        return base64.b64decode(found.group(2), validate=True)
+    except (binascii.Error, ValueError) as err:
+        raise ValueError(f"{where}: invalid base64 ({err})") from err
+
+
+class ImageParts:
+    """Collects a request's images in order; called once per ``image_url`` part with the part and its location."""
+
+    def __init__(self, patch_budget: int, max_images: int) -> None:
+        self.patch_budget, self.max_images = patch_budget, max_images
+        self.inputs: list[VisualInput] = []
+
+    def __call__(self, part: dict, where: str) -> int:
+        if len(self.inputs) >= self.max_images:
+            raise ValueError(f"{where}: more than {self.max_images} images in one request")
+        image_url = part.get("image_url")
+        url = image_url.get("url") if isinstance(image_url, dict) else image_url
+        data = decode_data_url(url, f"{where}.image_url.url")
+        try:
+            visual = image_input(data, self.patch_budget)
+        except ValueError as err:
+            raise ValueError(f"{where}: {err}") from err
+        self.inputs.append(visual)
+        return visual.tokens
+
+
+@torch.no_grad()
+def prompt_embeddings(model: K3ForCausalLM, prompt: list[int], images: list[VisualInput]) -> tuple[Tensor, str]:
+    """``[T, d]`` embeddings of ``prompt`` with ``images`` in its placeholders, and the images' digest (for the
+    prefix cache); a model without vision or a placeholder count that does not match is a ValueError."""
+    if model.vision is None:
+        raise ValueError("images: this model has no vision encoder")
+    pixels, grids = batch(images)
+    embeds = model.embed_multimodal(torch.tensor([prompt]), pixels, grids)[0]
+    digest = hashlib.sha256()
+    for image in images:
+        digest.update(repr(image.grid).encode())
+        digest.update(image.pixel_values.numpy().tobytes())
+    return embeds, digest.hexdigest()
