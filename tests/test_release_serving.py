@@ -94,3 +94,48 @@ def test_k3_info_and_plan_read_a_release_config(release_dir, capsys):
     # 5 MoE layers x 4 experts x 3 matrices of 64 x 64, at 4.25 bits
     assert plan["packed_experts"] == 5 * 4 * 3 * 64 * 64 * 4.25 / 8
     assert plan["mla_cache_per_token"] == 2 * (32 + 8) * 2
+
+
+def test_an_image_in_the_release_format(release_dir):
+    """The release's layout: <|media_begin|>image WxH<|media_content|>, one <|media_pad|> per visual token,
+    <|media_end|>; the answer is the model's own greedy continuation with the image spliced in."""
+    import base64
+
+    from PIL import Image
+
+    from k3.model.image import batch, image_input
+    from k3.serve.api import BackgroundServer, create_app
+    from k3.serve.engine import Engine
+    from k3.tokenization.kimi import KimiTokenizer
+
+    model, tokenizer = K3ForCausalLM.from_pretrained(str(release_dir)), KimiTokenizer.load(release_dir)
+    picture = Image.linear_gradient("L").resize((60, 40)).convert("RGB")
+    out = io.BytesIO()
+    picture.save(out, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+    engine = Engine(model, tokenizer, max_model_len=512).start()
+    try:
+        with BackgroundServer(create_app(engine, "k3")) as server:
+            client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+            reply = client.chat.completions.create(model="k3", max_tokens=5, temperature=0, messages=[
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                             {"type": "text", "text": "hello world"}]}])
+    finally:
+        engine.stop()
+    visual = image_input(picture, model.config.vision.patch_budget)
+    golden = ('<|open|>message role="user"<|sep|><|media_begin|>image 60x40<|media_content|>'
+              + "<|media_pad|>" * visual.tokens + '<|media_end|>hello world<|close|>message<|sep|><|end_of_msg|>'
+              '<|open|>message role="assistant"<|sep|><|open|>response<|sep|>')
+    prompt = tokenizer.encode(golden, allow_special=True)
+    assert reply.usage.prompt_tokens == len(prompt) and visual.tokens == 6  # padded to 84×56: 6×4 patches
+    pixels, grids = batch([visual])
+    with torch.no_grad():
+        logits, state = model(inputs_embeds=model.embed_multimodal(torch.tensor([prompt]), pixels, grids),
+                              state=model.new_state(1))
+        generated = []
+        for _ in range(reply.usage.completion_tokens):
+            generated.append(int(logits[0, -1].argmax()))
+            logits, state = model(torch.tensor([[generated[-1]]]), state=state)
+    parser = xtml.AssistantParser(tokenizer, "instruct")
+    text = "".join(t for ch, t in [d for g in generated for d in parser.feed(g)] + parser.flush() if ch == "content")
+    assert (reply.choices[0].message.content or "") == text

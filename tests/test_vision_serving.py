@@ -83,7 +83,7 @@ def test_the_openai_client_sends_an_image_and_gets_the_models_answer(client, eng
     tok = engine.tokenizer
     decoded = Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1])))
     visual = image_input(decoded, engine.model.config.vision.patch_budget)
-    prompt = chat.render(_messages(url), tok, "instruct", media=lambda part, where: visual.tokens)
+    prompt = chat.render(_messages(url), tok, "instruct", media=lambda part, where: visual)
     assert reply.usage.prompt_tokens == len(prompt) and prompt.count(tok.special_id("media")) == visual.tokens
     expected = _greedy(engine.model, prompt, decoded, reply.usage.completion_tokens)
     parser = chat.AssistantParser(tok, "instruct")
@@ -100,8 +100,8 @@ def test_the_prefix_cache_keeps_two_images_apart(client, engine):
                                                max_tokens=5, temperature=0, extra_body={"mode": "instruct"})
         answers.append((reply.choices[0].message.content, reply.usage.prompt_tokens_details.cached_tokens
                         if reply.usage.prompt_tokens_details else 0))
-    slots = image_input(_picture(3, (90, 60)), engine.model.config.vision.patch_budget).tokens
-    prompt = chat.render(_messages("x"), engine.tokenizer, "instruct", media=lambda part, where: slots)
+    visual = image_input(_picture(3, (90, 60)), engine.model.config.vision.patch_budget)
+    prompt = chat.render(_messages("x"), engine.tokenizer, "instruct", media=lambda part, where: visual)
     expected = _greedy(engine.model, prompt, _picture(3, (90, 60)), 5)
     parser = chat.AssistantParser(engine.tokenizer, "instruct")
     text = "".join(t for i in expected for ch, t in parser.feed(i) if ch == "content")

@@ -334,9 +334,9 @@ def _chat(args: argparse.Namespace) -> int:
 
 
 def _slots(visuals: list) -> dict:
-    """``render``'s ``media`` for the ``--image`` parts: each takes its image's visual-token count, in order."""
-    counts = iter([v.tokens for v in visuals])
-    return {"media": lambda part, where: next(counts)} if visuals else {}
+    """``render``'s ``media`` for the ``--image`` parts: the images, in order."""
+    images = iter(visuals)
+    return {"media": lambda part, where: next(images)} if visuals else {}
 
 
 def _chat_images(paths: list[str], engine, fmt) -> list:

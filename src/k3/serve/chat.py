@@ -18,6 +18,7 @@ import re
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from k3.model.image import VisualInput
 from k3.serve.detok import IncrementalDetokenizer
 from k3.tokenization.bpe import NUM_SPECIAL_TOKENS, SPECIAL_TOKENS, Tokenizer
 
@@ -58,8 +59,8 @@ def _check_mode(mode: str) -> None:
         raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
 
 
-#: Turns an ``image_url`` content part (and where it is) into its number of visual placeholder slots.
-Media = Callable[[dict, str], int]
+#: Turns an ``image_url`` content part (and where it is) into the image's model input (`VisualInput.tokens` slots).
+Media = Callable[[dict, str], VisualInput]
 
 
 def _text(content: Any, where: str) -> str:
@@ -67,15 +68,15 @@ def _text(content: Any, where: str) -> str:
     return "".join(_pieces(content, where, None))
 
 
-def _pieces(content: Any, where: str, media: Media | None) -> list[str | int]:
-    """A string, or an OpenAI content-part list as text pieces and, where ``media`` is given, the slot counts of
-    its ``image_url`` parts (refused without it)."""
+def _pieces(content: Any, where: str, media: Media | None) -> list[str | VisualInput]:
+    """A string, or an OpenAI content-part list as text pieces and, where ``media`` is given, the images of its
+    ``image_url`` parts (refused without it)."""
     if isinstance(content, str):
         return [content]
     if not isinstance(content, list):
         got = "nothing" if content is None else type(content).__name__
         raise ValueError(f"{where}: expected a string or a list of content parts, got {got}")
-    pieces: list[str | int] = []
+    pieces: list[str | VisualInput] = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind == "image_url" and media is not None:
@@ -135,7 +136,7 @@ def _message(i: int, m: Any, mode: str, media: Media | None = None) -> dict:
         pieces = _pieces(m.get("content"), f"{where}.content", media if role == "user" else None)
         out = {"role": "system" if role == "developer" else role,
                "content": "".join(p for p in pieces if isinstance(p, str))}
-        if any(isinstance(p, int) for p in pieces):
+        if any(isinstance(p, VisualInput) for p in pieces):
             out["pieces"] = pieces  # text and images in order (`render` lays images out as placeholder slots)
         if role == "tool":
             cid = m.get("tool_call_id")
@@ -242,7 +243,8 @@ def render(messages: Sequence[dict], tokenizer: Tokenizer, mode: str = "thinking
         if m["role"] == "system":
             emit(_SYSTEM, m["content"], *((_TOOLS, tool_text) if tools and i == 0 else ()), _END)
         elif m["role"] == "user":
-            emit(_USER, *(p if isinstance(p, str) else [slot] * p for p in m.get("pieces", [m["content"]])), _END)
+            emit(_USER, *(p if isinstance(p, str) else [slot] * p.tokens for p in m.get("pieces", [m["content"]])),
+                 _END)
         elif m["role"] == "tool":
             emit(_TOOL, f"{m['tool_call_id']}\n{m['content']}", _END)
         else:

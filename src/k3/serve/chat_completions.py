@@ -54,7 +54,7 @@ class ChatCompletions(Route):
         except ValueError as err:
             raise APIError(400, str(err), param="messages") from err
         prompt = body.truncate(prompt)
-        if images is not None and prompt.count(self.tokenizer.special_id("media")) != sum(
+        if images is not None and prompt.count(s.engine.model.config.vision.media_token_id) != sum(
                 i.tokens for i in images.inputs):
             raise APIError(400, "truncate_prompt_tokens: truncation would cut into an image's slots",
                            param="truncate_prompt_tokens")

@@ -1,10 +1,11 @@
 """Images in requests (issue 16, item 4; SPEC §6): OpenAI ``image_url`` content parts with ``data:`` URLs → model
 inputs, and an image prompt's embeddings for the engine.
 
-`ImageParts` is what a chat renderer calls for each ``image_url`` part: it decodes the data URL (PNG, JPEG, WebP,
-GIF; transparency composited, `k3.model.image`), keeps the `VisualInput` and returns how many placeholder slots the
-image takes. Anything wrong — a URL that is not ``data:image/…;base64``, bytes that do not decode, more images than
-the server allows — is a ValueError naming the part (a 400). This server never fetches a remote URL.
+`ImageParts` is what a chat renderer calls for each ``image_url`` part: it decodes the data URL (PNG, JPEG,
+WebP, GIF; transparency composited, `k3.model.image`), keeps and returns its `VisualInput` (the placeholder
+slots the image takes, and its size). Anything wrong — a URL that is not ``data:image/…;base64``, bytes that do
+not decode, more images than the server allows — is a ValueError naming the part (a 400). This server never
+fetches a remote URL.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ class ImageParts:
         self.patch_budget, self.max_images = patch_budget, max_images
         self.inputs: list[VisualInput] = []
 
-    def __call__(self, part: dict, where: str) -> int:
+    def __call__(self, part: dict, where: str) -> VisualInput:
         if len(self.inputs) >= self.max_images:
             raise ValueError(f"{where}: more than {self.max_images} images in one request")
         image_url = part.get("image_url")
@@ -60,7 +61,7 @@ class ImageParts:
         except ValueError as err:
             raise ValueError(f"{where}: {err}") from err
         self.inputs.append(visual)
-        return visual.tokens
+        return visual
 
 
 @torch.no_grad()

@@ -23,11 +23,16 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from k3.serve.chat import (_SURROGATE, MODES, _check_mode, _checked_calls, _dumps, _functions, _loads, _role,
-                           _text)
+from k3.model.image import VisualInput
+from k3.serve.chat import (_SURROGATE, MODES, Media, _check_mode, _checked_calls, _dumps, _functions, _loads,
+                           _pieces, _role)
 from k3.serve.detok import IncrementalDetokenizer
 
 __all__ = ["MODES", "AssistantParser", "parse_tool_calls", "render", "render_text", "stop_ids"]
+
+#: This format lays out images (``render(..., media=...)``): ``<|media_begin|>image WxH<|media_content|>``, one
+#: ``<|media_pad|>`` per visual token, ``<|media_end|>`` (the release's processor; W×H the original size).
+IMAGES = True
 
 
 class _Marker(str):
@@ -77,11 +82,15 @@ def _calls(calls: Any, where: str) -> list[dict]:
     return out
 
 
-def _message(i: int, m: Any) -> dict:
+def _message(i: int, m: Any, media: Media | None = None) -> dict:
     where, role = _role(i, m)
     content = m.get("content")
+    pieces = [""] if content is None and role == "assistant" else _pieces(content, f"{where}.content",
+                                                                          media if role == "user" else None)
     out = {"role": "system" if role == "developer" else role,
-           "content": "" if content is None and role == "assistant" else _text(content, f"{where}.content")}
+           "content": "".join(p for p in pieces if isinstance(p, str))}
+    if any(isinstance(p, VisualInput) for p in pieces):
+        out["pieces"] = pieces
     if role == "assistant":
         reasoning = m.get("reasoning_content")
         if reasoning is not None and not isinstance(reasoning, str):
@@ -178,7 +187,14 @@ def _render_message(m: dict, thinking: bool) -> _Parts:
         attrs += [("tool", m["tool"]), ("index", str(m["index"]))]
     elif "name" in m:
         attrs.append(("name", m["name"]))
-    return [*_block("message", [m["content"]], *attrs), END]
+    body = [q for p in m.get("pieces", [m["content"]]) for q in ([p] if isinstance(p, str) else _image(p))]
+    return [*_block("message", body, *attrs), END]
+
+
+def _image(image: VisualInput) -> _Parts:
+    width, height = image.size
+    return [_Marker("media_begin"), f"image {width}x{height}", _Marker("media_content"),
+            *[_Marker("media_pad")] * image.tokens, _Marker("media_end")]
 
 
 def _encode(parts: _Parts, tokenizer: Any) -> list[int]:
@@ -200,7 +216,7 @@ def _encode(parts: _Parts, tokenizer: Any) -> list[int]:
 
 def render(messages: Sequence[dict], tokenizer: Any, mode: str = "thinking", tools: list[dict] | None = None,
            add_generation_prompt: bool = True, thinking_effort: str = "max", tool_choice: str = "auto",
-           response_format: dict | None = None) -> list[int]:
+           response_format: dict | None = None, media: Media | None = None) -> list[int]:
     """Token ids of a conversation in the XTML format; ``ValueError`` naming the field for invalid input.
 
     In thinking mode a ``thinking-effort`` system message follows the tool declaration, as the release's
@@ -213,7 +229,7 @@ def render(messages: Sequence[dict], tokenizer: Any, mode: str = "thinking", too
         raise ValueError(f"thinking_effort: expected one of {EFFORTS}, got {thinking_effort!r}")
     if not isinstance(messages, (list, tuple)) or not messages:
         raise ValueError("messages: expected a non-empty list")
-    msgs = [_message(i, m) for i, m in enumerate(messages)]
+    msgs = [_message(i, m, media) for i, m in enumerate(messages)]
     _resolve_results(msgs)
     thinking = mode == "thinking"
     parts: _Parts = []
