@@ -23,9 +23,9 @@ PUBLISHED_ACTIVE = 104.2e9
 PUBLISHED_VISION = 401e6
 
 ASSUMPTIONS: dict[str, str] = {
-    "vision: divided attention, ~401M": (
-        "27 blocks of width 1,024 (12 heads of 128, MLP 4,096) plus pos_emb [64, 64, 1,024] as released; "
-        "how the released blocks split spatial and temporal attention is not published."
+    "vision: video in chunks of 4 frames": (
+        "the release's processors take images only; a video is cut into chunks of init_pos_emb_time = 4 frames, "
+        "each one grid (as Kimi K2.5 and vLLM's K3 port do), its frames averaged by the sd2_tpool merge."
     ),
 }
 
@@ -49,6 +49,12 @@ RELEASE_DECISIONS: dict[str, str] = {
                                                    "routed_expert_norm (mlx-lm kimi_k3 _group_expert_select).",
     "vision width 1,024": "vision_config.vt_hidden_size (was assumed 960), qkv 1,536 = 12 x 128, MLP 4,096, "
                           "projector 4,096 -> 7,168 (mm_projector.proj.0 / proj.2, post_norm).",
+    "vision.attention = joint": "the released encoder (its modeling_kimi_k3.py; SGLang's and vLLM's ports) attends "
+                                "over all patches of an image or a <= 4-frame chunk at once (one cu_seqlens segment "
+                                "per grid), not in the paper's alternating spatial / temporal blocks; 2-D RoPE "
+                                "(theta 10,000, column/row pairs) on top of pos_emb resized bilinearly, a sinusoidal "
+                                "time embedding when t > 1, RMSNorm eps = fp32 epsilon, projector GELU(erf) then "
+                                "post_norm (eps 1e-5), no biases.",
     "MXFP4 routed experts": "quantization_config: compressed-tensors mxfp4-pack-quantized, group 32, weights "
                             "only (w1/w2/w3 weight_packed uint8 [out, in/2] + weight_scale E8M0 [out, in/32]).",
 }
