@@ -49,7 +49,7 @@ from k3.model.state import DecoderState
 from k3.serve.cache import PrefixCache
 from k3.serve.detok import IncrementalDetokenizer
 from k3.serve.drafting import Draft, Drafter, proposals, verify_run
-from k3.serve.images import prompt_embeddings
+from k3.serve.images import check_prompt, image_digest, prompt_embeddings
 from k3.serve.sampling import SamplingParams, TokenLogprob, choose, process, score_prompt
 from k3.tokenization.bpe import Tokenizer
 
@@ -146,8 +146,9 @@ class _Request:
     cached: int = 0  # prompt tokens restored from the prefix cache
     pins: list = field(default_factory=list)  # prefix-cache entries held while the request runs
     cuts: list[int] = field(default_factory=list)  # prompt positions where prefill chunks end (cache checkpoints)
-    embeds: Tensor | None = None  # [T, d] prompt embeddings with the visual tokens spliced in (image prompts)
+    images: list[VisualInput] | None = None  # what fills the prompt's media placeholders, in order
     image_key: str | None = None  # digest of the prompt's images: prefixes are shared only with the same images
+    embeds: Tensor | None = None  # [T, d] prompt embeddings with the images encoded in (at the first prefill)
 
     @property
     def salt(self) -> str | None:
@@ -211,15 +212,13 @@ class Engine:
         """Queue several requests of one group atomically: all are validated first, and either all are
         queued or none (ValueError naming the problem, `QueueFull`). ``images`` belong to every job's prompt."""
         requests = []
-        encoded: dict[tuple, tuple[Tensor, str]] = {}  # the jobs of one group usually share their prompt
+        key = image_digest(images) if images else None
         for i, (prompt, params, processor, callback) in enumerate(jobs):
             request_id = request_ids[i] if request_ids else f"req-{next(self._ids)}"
             request = self._request(prompt, params, processor, callback, request_id, group or request_id)
             if images:
-                key = tuple(prompt)
-                if key not in encoded:
-                    encoded[key] = prompt_embeddings(self.model, prompt, images)
-                request.embeds, request.image_key = encoded[key]
+                check_prompt(self.model, prompt, images)
+                request.images, request.image_key = images, key
             requests.append(request)
         with self._wake:
             waiting = self.num_waiting
@@ -396,6 +395,7 @@ class Engine:
         untouched until it returns (so a failed pass can be retried); sampling is then per request."""
         drafts = proposals(self.drafter, ready, self.num_draft_tokens, self.max_model_len)
         ready = [r for r in ready if r.id not in drafts]
+        self._encode_images([request for request, _ in chunks])
         groups = [(torch.tensor([chunk]) if request.embeds is None else
                    request.embeds[request.prefilled:request.prefilled + len(chunk)].unsqueeze(0), request.state)
                   for request, chunk in chunks]
@@ -440,6 +440,16 @@ class Engine:
                          None if features is None else features[len(chunks) + i])
         if ready:
             self._sample(ready, logits)
+
+    def _encode_images(self, prefilling: list[_Request]) -> None:
+        """Encode the images of requests starting their prefill (the choices of one request share the work)."""
+        done: dict[tuple, Tensor] = {}
+        for request in prefilling:
+            if request.images and request.embeds is None:
+                key = (request.image_key, tuple(request.prompt))
+                if key not in done:
+                    done[key] = prompt_embeddings(self.model, request.prompt, request.images)
+                request.embeds = done[key]
 
     def _call(self, groups: list, full: list[bool], replay: list[bool],
               consumed: list[list[int]]) -> tuple[list, list[Tensor] | None]:

@@ -1,5 +1,6 @@
 """Images in requests (issue 16, item 4; SPEC §6): OpenAI ``image_url`` content parts with ``data:`` URLs → model
-inputs, and an image prompt's embeddings for the engine.
+inputs, and what the engine needs of an image prompt (a cheap check when it is queued, a digest for the prefix
+cache, and its embeddings, computed on the engine's thread at its first prefill).
 
 `ImageParts` is what a chat renderer calls for each ``image_url`` part: it decodes the data URL (PNG, JPEG,
 WebP, GIF; transparency composited, `k3.model.image`), keeps and returns its `VisualInput` (the placeholder
@@ -64,16 +65,27 @@ class ImageParts:
         return visual
 
 
-@torch.no_grad()
-def prompt_embeddings(model: K3ForCausalLM, prompt: list[int], images: list[VisualInput]) -> tuple[Tensor, str]:
-    """``[T, d]`` embeddings of ``prompt`` with ``images`` in its placeholders, and the images' digest (for the
-    prefix cache); a model without vision or a placeholder count that does not match is a ValueError."""
+def check_prompt(model: K3ForCausalLM, prompt: list[int], images: list[VisualInput]) -> None:
+    """The model has a vision encoder and ``prompt`` holds exactly the images' placeholder slots (a ValueError
+    naming the mismatch otherwise; cheap: nothing is encoded)."""
     if model.vision is None:
         raise ValueError("images: this model has no vision encoder")
-    pixels, grids = batch(images)
-    embeds = model.embed_multimodal(torch.tensor([prompt]), pixels, grids)[0]
+    slots, wanted = prompt.count(model.config.vision.media_token_id), sum(image.tokens for image in images)
+    if slots != wanted:
+        raise ValueError(f"prompt: {slots} media placeholders for images of {wanted} visual tokens")
+
+
+def image_digest(images: list[VisualInput]) -> str:
+    """A digest of the images' grids and pixels: the prefix cache shares states only between equal images."""
     digest = hashlib.sha256()
     for image in images:
         digest.update(repr(image.grid).encode())
         digest.update(image.pixel_values.numpy().tobytes())
-    return embeds, digest.hexdigest()
+    return digest.hexdigest()
+
+
+@torch.no_grad()
+def prompt_embeddings(model: K3ForCausalLM, prompt: list[int], images: list[VisualInput]) -> Tensor:
+    """``[T, d]`` embeddings of ``prompt`` with ``images`` encoded into its placeholders (`embed_multimodal`)."""
+    pixels, grids = batch(images)
+    return model.embed_multimodal(torch.tensor([prompt]), pixels, grids)[0]
