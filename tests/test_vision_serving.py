@@ -116,6 +116,8 @@ def test_the_prefix_cache_keeps_two_images_apart(client, engine):
     ([{"type": "image_url", "image_url": {"url": "data:text/plain;base64,aGVsbG8="}}], "data:image"),
     ([{"type": "image_url", "image_url": {"url": _data_url(_picture(0))}}] * 3, "more than 2 images"),
     ([{"type": "image_url", "image_url": {"url": _data_url(_picture(0, (900, 900)))}}], "context length"),
+    ([{"type": "image_url", "image_url": {"url": _data_url(_picture(0)), "detail": "high"}}], "only 'auto'"),
+    ([{"type": "image_url", "image_url": {"url": _data_url(_picture(0)), "crop": [0, 0]}}], "image_url.crop"),
 ])
 def test_bad_images_are_400s_and_leave_nothing_running(client, engine, content, message):
     with pytest.raises(openai.BadRequestError, match=message):

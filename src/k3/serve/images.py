@@ -55,6 +55,16 @@ class ImageParts:
         if len(self.inputs) >= self.max_images:
             raise ValueError(f"{where}: more than {self.max_images} images in one request")
         image_url = part.get("image_url")
+        if isinstance(image_url, dict):
+            unknown = sorted(set(image_url) - {"url", "detail"})
+            if unknown:
+                raise ValueError(f"{where}.image_url.{unknown[0]}: not supported by this server")
+            if image_url.get("detail", "auto") != "auto":
+                raise ValueError(f"{where}.image_url.detail: only 'auto' is supported (images are seen at up to "
+                                 f"{self.patch_budget} patches), got {image_url.get('detail')!r}")
+        extra = sorted(set(part) - {"type", "image_url"})
+        if extra:
+            raise ValueError(f"{where}.{extra[0]}: not supported in an image_url part")
         url = image_url.get("url") if isinstance(image_url, dict) else image_url
         data = decode_data_url(url, f"{where}.image_url.url")
         try:
