@@ -152,25 +152,30 @@ class VisionBlock(nn.Module):
         L = x.shape[0]
         q, k, v = self.wqkv(self.norm0(x)).view(L, 3, self.heads, self.head_dim).unbind(1)
         q, k = apply_rope(q, angles), apply_rope(k, angles)
-        sizes = [t * h * w for t, h, w in grids]
-        out = [self._attend(*parts, grid) for *parts, grid in
-               zip(q.split(sizes), k.split(sizes), v.split(sizes), grids)]
+        parts = list(zip(*(z.split([t * h * w for t, h, w in grids]) for z in (q, k, v))))
+        out: list[Tensor] = [x] * len(grids)
+        shapes: dict[Grid, list[int]] = {}
+        for i, grid in enumerate(grids):  # grids of one shape attend in one call (each still only to itself)
+            shapes.setdefault(grid, []).append(i)
+        for grid, members in shapes.items():
+            q_, k_, v_ = (parts[members[0]][j].unsqueeze(0) if len(members) == 1 else
+                          torch.stack([parts[i][j] for i in members]) for j in range(3))
+            for i, o in zip(members, self._attend(q_, k_, v_, grid).unbind(0)):
+                out[i] = o
         x = x + self.wo(torch.cat(out).reshape(L, -1))
         return x + self.mlp(self.norm1(x))
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, grid: Grid) -> Tensor:
-        """One grid's attention; ``q, k, v`` ``[t·h·w, H, hd]`` → ``[t·h·w, H, hd]``."""
-        t, h, w = grid
-        if self.mode == "joint":
-            shape, order = (1, t * h * w), (0, 2, 1, 3)  # [1, H, thw, hd]
-        elif self.mode == "spatial":
-            shape, order = (t, h * w), (0, 2, 1, 3)  # [t, H, hw, hd]: each frame alone
-        else:
-            shape, order = (t, h * w), (1, 2, 0, 3)  # [hw, H, t, hd]: each position across frames
-        q, k, v = (z.reshape(*shape, self.heads, self.head_dim).permute(order) for z in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v)
-        inverse = [order.index(i) for i in range(4)]
-        return out.permute(inverse).reshape(t * h * w, self.heads, self.head_dim)
+        """Attention within each of ``n`` grids of one shape; ``q, k, v`` ``[n, t·h·w, H, hd]`` → the same shape."""
+        n, (t, h, w), H, hd = q.shape[0], grid, self.heads, self.head_dim
+        if self.mode == "temporal":  # [n·hw, t, H, hd]: each position across its own grid's frames
+            q, k, v = (z.reshape(n, t, h * w, H, hd).transpose(1, 2).reshape(n * h * w, t, H, hd) for z in (q, k, v))
+        else:  # joint: [n, thw, H, hd]; spatial: [n·t, hw, H, hd], each frame alone
+            q, k, v = (z.reshape(n if self.mode == "joint" else n * t, -1, H, hd) for z in (q, k, v))
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+        if self.mode == "temporal":
+            out = out.reshape(n, h * w, t, H, hd).transpose(1, 2)
+        return out.reshape(n, t * h * w, H, hd)
 
 
 class MoonViT(nn.Module):
