@@ -1,0 +1,101 @@
+"""Context parallelism for KDA (SPEC §8; issue 17, item 4): a sequence cut into contiguous segments, one per rank.
+
+The recurrence. A segment acts on its incoming state as ``S ↦ M S + U`` (`k3.ops.kda.segment_summary`), a summary
+of fixed size — ``H·K·(K + V)`` scalars per sequence whatever the segment's length. Every rank computes its own,
+all ranks all-gather them, and rank r composes the summaries of ranks ``0 … r−1`` (in fp32, or fp64 for fp64
+inputs) onto the initial state to get its incoming state, then runs `k3.ops.kda.chunked` on its segment from it.
+Bytes moved per layer: ``world × H·K·(K + V) × 4`` per sequence — independent of the sequence length.
+
+The ShortConv. Rank r's first outputs need the ``W − 1`` inputs before its segment (its halo), which may span
+several earlier ranks when segments are shorter than the window (fla PR#774's case): every rank all-gathers the
+last ``W − 1`` rows of its segment (zero-padded) with their count, and each builds its halo from the ranks before
+it, nearest first; zeros where the sequence starts.
+
+Backward is exact on every rank (not only the last, fla#1115's case): the gathers are `all_gather_grad`, whose
+backward sums each rank's gradient with respect to every gathered piece (an all-reduce) and returns the owner's
+share — gloo has no reduce-scatter and no list all-to-all, so this is the portable form. A collective's backward
+must run on every rank, also where the local result does not depend on the other ranks' pieces (rank 0's
+incoming state, say): each result is therefore tied to all the pieces it gathered with weight zero (`_tied`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from k3.ops import kda
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, group) -> tuple[Tensor, ...]:  # noqa: ANN001
+        ctx.group = group
+        pieces = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(pieces, x.contiguous(), group=group)
+        return tuple(pieces)
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor) -> tuple[Tensor, None]:  # noqa: ANN001
+        total = torch.stack([g.contiguous() for g in grads])
+        dist.all_reduce(total, group=ctx.group)  # every rank's gradient with respect to every piece, summed
+        return total[dist.get_rank(ctx.group)], None
+
+
+def all_gather_grad(x: Tensor, group: dist.ProcessGroup | None = None) -> list[Tensor]:
+    """Every rank's ``x`` (same shape on all ranks), differentiable: the gradient of this rank's ``x`` is the sum
+    over ranks of their gradients with respect to it. With grad enabled the backward takes part on every rank,
+    also one whose ``x`` is a constant (an empty segment's summary)."""
+    if torch.is_grad_enabled() and not x.requires_grad:
+        x = x.detach().requires_grad_()
+    return list(_AllGather.apply(x, group))
+
+
+def _tied(result: Tensor, pieces: list[Tensor]) -> Tensor:
+    """``result`` unchanged, made to depend on every gathered piece (weight zero), so the gather's backward — a
+    collective — runs on every rank whatever the loss uses."""
+    return result + 0.0 * torch.stack(pieces).sum().to(result.dtype)
+
+
+def conv_halo(x: Tensor, width: int, group: dist.ProcessGroup | None = None) -> Tensor:
+    """The ``width − 1`` inputs before this rank's segment ``x`` ``[B, T, C]`` → ``[B, width − 1, C]`` (zeros
+    before the sequence's start), gathered from the ranks before it however short their segments are."""
+    B, T, C = x.shape
+    need = width - 1
+    tail = x[:, max(0, T - need):]
+    tail = torch.cat([x.new_zeros(B, need - tail.shape[1], C), tail], dim=1)  # right-aligned, zero-padded
+    tails = all_gather_grad(tail, group)
+    counts = torch.tensor([min(T, need)], device=x.device)
+    sizes = [torch.empty_like(counts) for _ in tails]
+    dist.all_gather(sizes, counts, group=group)
+    rows, have = [], 0
+    for r in range(dist.get_rank(group) - 1, -1, -1):  # nearest earlier rank first
+        take = min(int(sizes[r]), need - have)
+        if take:
+            rows.insert(0, tails[r][:, need - take:])
+            have += take
+        if have == need:
+            break
+    return _tied(torch.cat([x.new_zeros(B, need - have, C), *rows], dim=1), tails)
+
+
+def kda_context_parallel(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float | None = None,
+                         initial_state: Tensor | None = None, chunk_size: int = 64,
+                         group: dist.ProcessGroup | None = None) -> tuple[Tensor, Tensor]:
+    """KDA over a sequence split across the ranks of ``group`` in order: this rank's segment ``q, k, g [B, T_r, H,
+    K]``, ``v [B, T_r, H, V]``, ``beta [B, T_r, H]`` (``T_r`` may differ between ranks, 0 included) →
+    ``(o [B, T_r, H, V], final state of the whole sequence [B, H, K, V])``, equal to `k3.ops.kda.chunked` on the
+    whole sequence. ``initial_state`` (the state before rank 0's segment) must be the same on every rank."""
+    M, U = kda.segment_summary(k, g, beta, v, chunk_size)
+    B, H, K, V = U.shape
+    pieces = all_gather_grad(torch.cat([M.flatten(2), U.flatten(2)], dim=-1), group)  # one collective
+    summaries = [(p[..., :K * K].view(B, H, K, K), p[..., K * K:].view(B, H, K, V)) for p in pieces]
+    S = M.new_zeros(B, H, K, V) if initial_state is None else initial_state.to(M.dtype)
+    rank = dist.get_rank(group)
+    for M_r, U_r in summaries[:rank]:
+        S = M_r @ S + U_r
+    o, _ = kda.chunked(q, k, v, g, beta, scale, initial_state=S, chunk_size=chunk_size)
+    final = S
+    for M_r, U_r in summaries[rank:]:
+        final = M_r @ final + U_r
+    return _tied(o, pieces), _tied(final, pieces)
