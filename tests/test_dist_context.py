@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -47,7 +48,8 @@ def _loss(t: dict, o: torch.Tensor, final: torch.Tensor | None, y: torch.Tensor,
 
 
 def _worker(rank: int, world: int, lengths: list[int], init: str, out: str) -> None:
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))  # a stuck collective fails the test, never hangs it
     try:
         t = _inputs(sum(lengths))
         start = sum(lengths[:rank])
