@@ -182,8 +182,9 @@ class MXConfig:
 
 MX_WEIGHT_FORMATS = ("mxfp4", "mxfp8_e4m3", "mxfp8_e5m2")
 MX_ACTIVATION_FORMATS = ("mxfp8_e4m3", "mxfp8_e5m2")
-#: ``k3 quantize --activations``: keep the model's MX inputs (none without QAT), none, or an MXFP8 format.
-PACKED_ACTIVATIONS = ("keep", "none", *MX_ACTIVATION_FORMATS)
+#: ``k3 quantize --activations``: keep the model's MX inputs (none without QAT), none, or MXFP8 E4M3 (the one input
+#: format compressed-tensors' ``quantization_config`` can describe).
+PACKED_ACTIVATIONS = ("keep", "none", "mxfp8_e4m3")
 
 _SUBCONFIGS: dict[str, type] = {
     "kda": KDAConfig,
