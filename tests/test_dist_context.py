@@ -90,3 +90,48 @@ def test_context_parallel_kda_and_conv_equal_one_process(lengths):
         torch.testing.assert_close(r["final"], ref["final"], rtol=1e-10, atol=1e-10)
     first = torch.cat([r["grad_k"] for r in ranks[:-1]], dim=1)  # non-last ranks' gradients (fla#1115's case)
     assert first.abs().sum() > 0
+
+
+def _mla(seed: int = 3):
+    from k3.config import preset
+    from k3.model.sequence.mla import GatedMLA
+
+    torch.manual_seed(seed)
+    layer = GatedMLA(preset("tiny")).double()
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, 40, layer.hidden_size, generator=g, dtype=torch.float64)
+    return layer, x, torch.randn(B, 40, layer.hidden_size, generator=g, dtype=torch.float64)
+
+
+def _mla_worker(rank: int, world: int, lengths: list[int], init: str, out: str) -> None:
+    from k3.dist.context import mla_context_parallel
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    try:
+        layer, x, weight = _mla()
+        start = sum(lengths[:rank])
+        mine = x[:, start:start + lengths[rank]].clone().requires_grad_()
+        y = mla_context_parallel(layer, mine)
+        (y * weight[:, start:start + lengths[rank]]).sum().backward()
+        grads = {n: torch.zeros_like(p) if p.grad is None else p.grad for n, p in layer.named_parameters()}
+        torch.save({"y": y.detach(), "grad_x": torch.zeros_like(mine) if mine.grad is None else mine.grad,
+                    "params": grads}, Path(out) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("lengths", [[25, 15], [7, 1, 0, 32]], ids=["2 ranks", "4 ranks, short and empty"])
+def test_context_parallel_mla_equals_one_process(lengths):
+    world = len(lengths)
+    with tempfile.TemporaryDirectory() as out:
+        mp.spawn(_mla_worker, args=(world, lengths, f"file://{os.path.join(out, 'rendezvous')}", out), nprocs=world,
+                 join=True)
+        ranks = [torch.load(Path(out) / f"rank{r}.pt") for r in range(world)]
+    layer, x, weight = _mla()
+    x = x.requires_grad_()
+    y, _ = layer(x)
+    (y * weight).sum().backward()
+    torch.testing.assert_close(torch.cat([r["y"] for r in ranks], 1), y.detach(), rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(torch.cat([r["grad_x"] for r in ranks], 1), x.grad, rtol=1e-10, atol=1e-10)
+    for name, p in layer.named_parameters():  # each rank holds a share of every weight's gradient: they sum to it
+        torch.testing.assert_close(sum(r["params"][name] for r in ranks), p.grad, rtol=1e-10, atol=1e-10, msg=name)

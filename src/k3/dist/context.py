@@ -1,4 +1,4 @@
-"""Context parallelism for KDA (SPEC §8; issue 17, item 4): a sequence cut into contiguous segments, one per rank.
+"""Context parallelism (SPEC §8; issue 17, item 4): a sequence cut into contiguous segments, one per rank.
 
 The recurrence. A segment acts on its incoming state as ``S ↦ M S + U`` (`k3.ops.kda.segment_summary`), a summary
 of fixed size — ``H·K·(K + V)`` scalars per sequence whatever the segment's length. Every rank computes its own,
@@ -10,6 +10,12 @@ The ShortConv. Rank r's first outputs need the ``W − 1`` inputs before its seg
 several earlier ranks when segments are shorter than the window (fla PR#774's case): every rank all-gathers the
 last ``W − 1`` rows of its segment (zero-padded) with their count, and each builds its halo from the ranks before
 it, nearest first; zeros where the sequence starts.
+
+MLA. Every rank all-gathers its tokens' cache entries (``kv_lora_rank + qk_shared_head_dim`` scalars per token, 576
+for the release: the compressed cache, not per-head keys and values), padded to the longest segment, and attends
+over the earlier ranks' entries followed by its own (`k3.model.sequence.mla.GatedMLA` with that prefix as its
+cache). Bytes moved per layer: ``world × max segment × 576 × dtype`` per sequence — linear in the length, but 53×
+less than gathering expanded keys and values.
 
 Backward is exact on every rank (not only the last, fla#1115's case): the gathers are `all_gather_grad`, whose
 backward sums each rank's gradient with respect to every gathered piece (an all-reduce) and returns the owner's
@@ -24,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from k3.model.sequence.mla import GatedMLA, MLACache
 from k3.ops import kda
 
 
@@ -99,3 +106,24 @@ def kda_context_parallel(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tenso
     for M_r, U_r in summaries[rank:]:
         final = M_r @ final + U_r
     return _tied(o, pieces), _tied(final, pieces)
+
+
+def mla_context_parallel(layer: GatedMLA, x: Tensor, group: dist.ProcessGroup | None = None) -> Tensor:
+    """``layer`` (causal MLA) over a sequence split across the ranks of ``group`` in order: this rank's segment ``x``
+    ``[B, T_r, d]`` (``T_r`` may differ, 0 included) → its output ``[B, T_r, d]``, equal to ``layer`` on the whole
+    sequence."""
+    B, T, _ = x.shape
+    mine = layer.cache_entries(x)
+    entries = torch.cat([mine.latent, mine.shared_key], dim=-1)  # [B, T, r + s]
+    lengths = [torch.empty(1, dtype=torch.long, device=x.device) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(lengths, torch.tensor([T], device=x.device), group=group)
+    longest = max(int(n) for n in lengths)
+    padded = torch.cat([entries, entries.new_zeros(B, longest - T, entries.shape[-1])], dim=1)
+    pieces = all_gather_grad(padded, group)
+    prefix = torch.cat([padded[:, :0], *(p[:, :int(n)] for p, n in zip(pieces[:dist.get_rank(group)], lengths))],
+                       dim=1)  # rank 0: empty
+    if T == 0:
+        return _tied(x.new_zeros(B, 0, x.shape[-1]), pieces)
+    cache = MLACache(*prefix.to(mine.latent.dtype).split([mine.latent.shape[-1], mine.shared_key.shape[-1]], -1))
+    y, _ = layer(x, state=cache, path="full")
+    return _tied(y, pieces)

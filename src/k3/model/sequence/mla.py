@@ -139,6 +139,11 @@ class GatedMLA(nn.Module):
         y = self.o_proj(o.reshape(B, T, self.num_heads * self.v_dim))
         return y, (None if state is None else cache)
 
+    def cache_entries(self, x: Tensor) -> MLACache:
+        """The cache entries ``(c_kv, k_s)`` of the tokens ``x`` ``[B, T, d]`` — what context parallelism shares."""
+        _, c_kv, k_s = self._project(x)
+        return MLACache(c_kv, k_s)
+
     # ------------------------------------------------------------------ pieces of Eq. 7
     def _project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Queries ``[B, H, T, nope + shared]`` and the tokens' cache entries c_kv ``[B, T, r]``, k_s ``[B, T, s]``."""
