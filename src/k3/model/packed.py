@@ -10,6 +10,8 @@ not trainable; `unpack` gives a trainable `Experts` with the same weights.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor, nn
 
@@ -97,10 +99,15 @@ class PackedExperts(Experts):
         return out.to(dtype)
 
 
-def use_packed_experts(model: nn.Module) -> nn.Module:
-    """Replace every float `Experts` of ``model`` by empty `PackedExperts` of the same shape (to be loaded)."""
+def replace_experts(model: nn.Module, convert: Callable[[Experts], Experts]) -> nn.Module:
+    """Replace every routed `Experts` (packed or not) of ``model``, in place, by ``convert`` of it."""
     for module in list(model.modules()):
         experts = getattr(module, "experts", None)
-        if isinstance(experts, Experts) and not isinstance(experts, PackedExperts):
-            module.experts = PackedExperts.like(experts)
+        if isinstance(experts, Experts):
+            module.experts = convert(experts)
     return model
+
+
+def use_packed_experts(model: nn.Module) -> nn.Module:
+    """Replace every float `Experts` of ``model`` by empty `PackedExperts` of the same shape (to be loaded)."""
+    return replace_experts(model, lambda e: e if isinstance(e, PackedExperts) else PackedExperts.like(e))

@@ -18,7 +18,7 @@ from pathlib import Path
 from k3.config import PACKED_ACTIVATIONS, MXConfig
 from k3.model.checkpoint import WEIGHTS, load_model, save_model
 from k3.model.lm import K3ForCausalLM
-from k3.model.packed import PackedExperts
+from k3.model.packed import PackedExperts, replace_experts
 from k3.model.width import Experts
 
 KEEP = PACKED_ACTIVATIONS[0]
@@ -27,8 +27,6 @@ KEEP = PACKED_ACTIVATIONS[0]
 def packed_config(mx: MXConfig, activations: str = KEEP) -> MXConfig:
     """The ``mx`` of the packed model: MXFP4 weights; inputs as ``activations`` says (``keep``: the model's own
     MX inputs if MX is on, else none, as the release)."""
-    if mx.enabled and mx.weight_format != "mxfp4":
-        raise ValueError(f"mx.weight_format = {mx.weight_format!r}: only MXFP4 weights are stored packed")
     if activations not in PACKED_ACTIVATIONS:
         raise ValueError(f"activations = {activations!r}: expected one of {PACKED_ACTIVATIONS}")
     inputs = (mx.activation_format if mx.enabled else None) if activations == KEEP else (
@@ -40,12 +38,13 @@ def pack_model(model: K3ForCausalLM, activations: str = KEEP) -> K3ForCausalLM:
     """``model`` with every routed `Experts` replaced by `PackedExperts` (in place) and its config's ``mx`` set
     to `packed_config`; experts already packed keep their codes."""
     mx = packed_config(model.config.mx, activations)
-    for module in list(model.modules()):
-        experts = getattr(module, "experts", None)
-        if isinstance(experts, Experts):
-            packed = experts if isinstance(experts, PackedExperts) else PackedExperts.pack(experts)
-            packed.input_format = mx.activation_format
-            module.experts = packed
+
+    def pack(experts: Experts) -> PackedExperts:  # weights in a format other than MXFP4 are refused by `pack`
+        packed = experts if isinstance(experts, PackedExperts) else PackedExperts.pack(experts)
+        packed.input_format = mx.activation_format
+        return packed
+
+    replace_experts(model, pack)
     model.config = dataclasses.replace(model.config, mx=mx)
     return model
 

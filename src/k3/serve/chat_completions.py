@@ -22,6 +22,7 @@ from starlette.concurrency import run_in_threadpool
 from k3.serve.engine import Output
 from k3.serve.formats import chat_format
 from k3.serve.handler import Reply, Route
+from k3.serve.images import check_prompt
 from k3.serve.jobs import Jobs, error_of
 from k3.serve.protocol import APIError, ChatBody, NamedToolChoice, extend_logprobs, sse, vllm_prompt_logprobs
 
@@ -54,10 +55,12 @@ class ChatCompletions(Route):
         except ValueError as err:
             raise APIError(400, str(err), param="messages") from err
         prompt = body.truncate(prompt)
-        if images is not None and prompt.count(s.engine.model.config.vision.media_token_id) != sum(
-                i.tokens for i in images.inputs):
-            raise APIError(400, "truncate_prompt_tokens: truncation would cut into an image's slots",
-                           param="truncate_prompt_tokens")
+        if images is not None:
+            try:
+                check_prompt(s.engine.model, prompt, images.inputs)
+            except ValueError as err:
+                raise APIError(400, f"truncate_prompt_tokens: truncation would cut into an image's slots ({err})",
+                               param="truncate_prompt_tokens") from err
         stop_ids = fmt.stop_ids(self.tokenizer)
         constraint = await s.constraint(schema, stop_ids, forced or "response_format") if structured else None
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
