@@ -37,11 +37,23 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from k3.plan import format_plan, plan
-
+    """The serving plan, or with ``--gpus`` the training plan (`k3.dist.plan`)."""
     config, title = _config(args)
-    result = plan(config, args.context, args.batch)
-    print(json.dumps(result, indent=2) if args.json else format_plan(result, title))
+    if args.gpus is None:
+        given = [flag for flag in ("dp_replicate", "dp_shard", "ep", "cp") if getattr(args, flag) is not None]
+        if given:
+            raise ValueError(f"--{given[0].replace('_', '-')} is a training-plan flag: give --gpus too")
+        from k3.plan import format_plan, plan
+
+        result = plan(config, args.context, args.batch)
+        print(json.dumps(result, indent=2) if args.json else format_plan(result, title))
+        return 0
+    from k3.dist.plan import build_layout, format_training_plan, training_plan
+
+    layout = build_layout(config, args.gpus, args.seq, args.dp_replicate, args.dp_shard, args.ep, args.cp)
+    result = training_plan(config, layout, args.seq, args.batch_seqs, args.gpu_memory_gb,
+                           recompute=not args.no_recompute, flash=not args.no_flash)
+    print(json.dumps(result, indent=2) if args.json else format_training_plan(result, title))
     return 0
 
 
@@ -76,6 +88,8 @@ def _curriculum(text: str) -> list[list[float]]:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from k3.dist.layout import ParallelLayout
+    from k3.train.distributed import check_layout, launch
     from k3.train.loop import TrainConfig, train
     from k3.train.optim import OptimConfig
 
@@ -91,10 +105,47 @@ def _train(args: argparse.Namespace) -> int:
         threads=args.threads, qat=args.qat, multimodal=args.multimodal,
         data_limit_bytes=None if args.data_limit_mb is None else int(args.data_limit_mb * 2**20),
     )
-    run = train(config, resume=args.resume)
+    world = int(os.environ.get("WORLD_SIZE", args.nproc or 1))  # torchrun sets WORLD_SIZE on every rank
+    if args.nproc is not None and args.nproc != world:
+        raise ValueError(f"--nproc {args.nproc} disagrees with WORLD_SIZE={world} set by the launcher")
+    layout = ParallelLayout.for_world(world, args.dp_replicate, args.dp_shard, args.ep, args.cp)
+    check_layout(config, layout)  # before any process group or child process exists
+    if layout.distributed and "WORLD_SIZE" not in os.environ:
+        return launch(_without_flag(args.argv, "--nproc"), world)
+    if layout.distributed:
+        from k3.dist.mesh import init_world
+        from k3.train.distributed import train_distributed
+
+        run = train_distributed(config, init_world(layout), resume=args.resume)
+        if not run.writes:
+            return 0
+    else:
+        run = train(config, resume=args.resume)
     loss = run.last_val_loss if run.last_val_loss is not None else run.evaluate()
     print(f"step {run.step_index}/{config.steps}: validation loss {loss:.4f} (perplexity {math.exp(loss):.2f})")
     print(f"metrics: {run.metrics_path}  plot: {run.out / 'curves.png'}")
+    return 0
+
+
+def _without_flag(argv: list[str], flag: str) -> list[str]:
+    """``argv`` without ``flag`` and its value (``--flag V`` or ``--flag=V``)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == flag:
+            skip = True
+        elif not arg.startswith(flag + "="):
+            out.append(arg)
+    return out
+
+
+def _convert_ckpt(args: argparse.Namespace) -> int:
+    from k3.train.sharded import convert, is_sharded
+
+    out = convert(Path(args.ckpt), Path(args.out))
+    kind = "sharded (torch.distributed.checkpoint)" if is_sharded(out) else "single-process"
+    print(f"wrote {out} ({kind})")
     return 0
 
 
@@ -366,13 +417,27 @@ def main(argv: list[str] | None = None) -> int:
     info.add_argument("--json", action="store_true", help="print the audit as JSON")
     info.set_defaults(run=_info)
 
-    pl = commands.add_parser("plan", help="memory to serve a configuration on one machine (packed, mmap'd experts)")
+    pl = commands.add_parser("plan", help="memory to serve a configuration on one machine (packed, mmap'd experts); "
+                             "with --gpus, per-rank memory and communication of training it")
     source = pl.add_mutually_exclusive_group()
     source.add_argument("--preset", choices=PRESETS, default="paper")
     source.add_argument("--config", help="a kimi-k3 JSON config or a Hugging Face / released config.json")
     pl.add_argument("--context", type=_positive(int), default=131072, help="tokens per sequence (default 131072)")
     pl.add_argument("--batch", type=_positive(int), default=1, help="sequences served at once")
     pl.add_argument("--json", action="store_true")
+    train_plan = pl.add_argument_group("training plan (k3.dist.plan)")
+    train_plan.add_argument("--gpus", type=_positive(int), help="world size: plan training on this many GPUs")
+    train_plan.add_argument("--gpu-memory-gb", type=_positive(float), default=80.0,
+                            help="memory per GPU in GiB; a plan that does not fit is refused (default %(default)s)")
+    for flag, help_ in (("--dp-replicate", "model replicas (HSDP outer dimension; default 1)"),
+                        ("--dp-shard", "FSDP shards (default: what the other factors leave of --gpus)"),
+                        ("--ep", "expert-parallel ranks (default 1)"), ("--cp", "context-parallel ranks (default 1)")):
+        train_plan.add_argument(flag, type=_positive(int), help=help_)
+    train_plan.add_argument("--seq", type=_positive(int), default=65536, help="tokens per sequence (default 65536)")
+    train_plan.add_argument("--batch-seqs", type=_positive(int), default=1,
+                            help="sequences per data rank per step (default 1)")
+    train_plan.add_argument("--no-recompute", action="store_true", help="keep every layer's activations")
+    train_plan.add_argument("--no-flash", action="store_true", help="MLA materialises its attention scores")
     pl.set_defaults(run=_plan)
 
     tr = commands.add_parser("train", help="train a K3 model (Per-Head Muon, quantile balancing, curriculum)")
@@ -409,7 +474,24 @@ def main(argv: list[str] | None = None) -> int:
     tr.add_argument("--max-minutes", type=float, help="stop after this much wall time (a checkpoint is written)")
     tr.add_argument("--seed", type=int, default=0)
     tr.add_argument("--no-progress", action="store_true")
+    parallel = tr.add_argument_group("parallelism", "run on N local processes (or under torchrun, which sets the world "
+                                     "size); the factors' product is the world size")
+    parallel.add_argument("--nproc", type=_positive(int), help="processes to start on this machine (torchrun "
+                          "--standalone); 1 or absent: this process alone, with no distributed call")
+    parallel.add_argument("--dp-shard", type=_positive(int), help="FSDP2 shards (default: what the other factors "
+                          "leave)")
+    parallel.add_argument("--dp-replicate", type=_positive(int), help="model replicas, HSDP (default 1)")
+    parallel.add_argument("--ep", type=_positive(int), help="expert-parallel ranks: the routed experts split "
+                          "over them (default 1)")
+    parallel.add_argument("--cp", type=_positive(int), help="context-parallel ranks: each sequence cut into this "
+                          "many contiguous segments (default 1)")
     tr.set_defaults(run=_train)
+
+    cc = commands.add_parser("convert-ckpt", help="a training checkpoint in the other format: single-process files "
+                             "<-> sharded torch.distributed.checkpoint (any number of processes loads the latter)")
+    cc.add_argument("--ckpt", required=True, help="a training checkpoint directory, or a run directory (its newest)")
+    cc.add_argument("--out", required=True, help="the new checkpoint directory (must not exist)")
+    cc.set_defaults(run=_convert_ckpt)
 
     td = commands.add_parser("train-draft", help="train an EAGLE-3 draft for speculative decoding on a frozen target")
     td.add_argument("--ckpt", required=True, help="the target: a run directory or a checkpoint directory")

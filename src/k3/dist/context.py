@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from k3.model.sequence.kda import KDALayer
 from k3.model.sequence.mla import GatedMLA, MLACache
 from k3.ops import kda
 
@@ -127,3 +128,25 @@ def mla_context_parallel(layer: GatedMLA, x: Tensor, group: dist.ProcessGroup | 
     cache = MLACache(*prefix.to(mine.latent.dtype).split([mine.latent.shape[-1], mine.shared_key.shape[-1]], -1))
     y, _ = layer(x, state=cache, path="full")
     return _tied(y, pieces)
+
+
+class ContextParallel:
+    """The sequence mixers of `k3.model.lm.K3ForCausalLM` over a sequence split across the ranks of ``group``
+    (``model(input_ids, context=ContextParallel(group))``, each rank passing its own contiguous segment): token-wise
+    layers run on the segment alone, each KDA and MLA layer through this object. Layer for layer the outputs (and,
+    by backward, the gradients) are the whole-sequence model's."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        self.group = group
+
+    def kda(self, layer: KDALayer, x: Tensor) -> Tensor:
+        """One KDA layer on this rank's segment ``x`` ``[B, T_r, d]``: the ShortConv continues from the halo of the
+        earlier ranks' projected inputs, the recurrence from the composed summaries (`kda_context_parallel`)."""
+        conv_in = layer.conv_inputs(x)
+        f, _ = layer.features(x, conv_halo(conv_in, layer.conv.weight.shape[1], self.group), conv_in)
+        o, _ = kda_context_parallel(f.q, f.k, f.v, f.g, f.beta, chunk_size=layer.chunk_size, group=self.group)
+        return layer.readout(x, o)
+
+    def mla(self, layer: GatedMLA, x: Tensor) -> Tensor:
+        """One MLA layer on this rank's segment (`mla_context_parallel`)."""
+        return mla_context_parallel(layer, x, self.group)

@@ -72,7 +72,7 @@ def _sha256(path: Path, sync: bool = False) -> str:
     return digest
 
 
-def _write_manifest(directory: Path) -> None:
+def write_manifest(directory: Path) -> None:
     """``checksums.json``: the sha256 of every file in ``directory``, each fsynced first."""
     files = {p.name: _sha256(p, sync=True) for p in sorted(directory.iterdir()) if p.is_file()}
     with writing(directory / MANIFEST) as path:
@@ -89,7 +89,7 @@ def atomic_directory(final: Path) -> Iterator[Path]:
         with writing(tmp):
             tmp.mkdir(parents=True)
         yield tmp
-        _write_manifest(tmp)
+        write_manifest(tmp)
         shutil.rmtree(final, ignore_errors=True)
         with writing(final):
             os.replace(tmp, final)

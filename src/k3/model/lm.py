@@ -59,8 +59,14 @@ class DecoderLayer(nn.Module):
         self.capture = False  # keep the retrieved input of the last call in `captured` (speculative drafts)
         self.captured: Tensor | None = None
 
-    def forward(self, depth: BlockAttnRes | Residual, state, padding: Tensor | None = None):
-        a, state = self.mix(self.mixer_retrieve(depth), state, padding)
+    def forward(self, depth: BlockAttnRes | Residual, state, padding: Tensor | None = None, context=None):
+        """``context`` (training, no state): an object whose ``kda(mixer, x)`` / ``mla(mixer, x)`` run the sequence
+        mixer over a sequence split across processes (`k3.dist.context.ContextParallel`)."""
+        x = self.mixer_retrieve(depth)
+        if context is not None:
+            mixer = context.kda if self.kind == "kda" else context.mla
+            return self.feed_forward(depth, mixer(self.mixer, x)), None
+        a, state = self.mix(x, state, padding)
         return self.feed_forward(depth, a), state
 
     def mixer_retrieve(self, depth: BlockAttnRes | Residual) -> Tensor:
@@ -182,27 +188,31 @@ class K3ForCausalLM(nn.Module):
 
     def forward(self, input_ids: Tensor | None = None, inputs_embeds: Tensor | None = None,
                 state: DecoderState | None = None, pixel_values: Tensor | None = None,
-                grid_thw: Tensor | list | None = None) -> tuple[Tensor, DecoderState | None]:
+                grid_thw: Tensor | list | None = None, context=None) -> tuple[Tensor, DecoderState | None]:
         """Logits ``[B, T, V]`` and, given ``state``, the advanced state. With ``pixel_values`` and ``grid_thw``
         the visual tokens fill the media placeholders of ``input_ids`` (`embed_multimodal`); to prefill an image
-        prompt in chunks, pass slices of `embed_multimodal`'s output as ``inputs_embeds``."""
+        prompt in chunks, pass slices of `embed_multimodal`'s output as ``inputs_embeds``. With ``context``
+        (`k3.dist.context.ContextParallel`; no ``state``) the input is this process's segment of a sequence split
+        across processes (SPEC §8)."""
         if pixel_values is not None:
             if input_ids is None:
                 raise ValueError("pixel_values: pass input_ids holding the media placeholders")
             inputs_embeds, input_ids = self.embed_multimodal(input_ids, pixel_values, grid_thw), None
         x = self.embed(input_ids, inputs_embeds)
         B, T = x.shape[:2]
-        if T == 0:
+        if T == 0 and context is None:  # a context-parallel segment may be empty
             raise ValueError("input_ids: the sequence is empty (T = 0)")
         if state is not None:
             if len(state.layers) != len(self.layers) or state.batch_size != B:
                 raise ValueError(f"state: expected {len(self.layers)} layers and batch size {B}, got "
                                  f"{len(state.layers)} layers and batch size {state.batch_size}")
+        if context is not None and state is not None:
+            raise ValueError("context: context parallelism runs without a DecoderState (training)")
         depth = self._start_depth(x)
         layer_states = []
         for i, layer in enumerate(self.layers):
-            depth, layer_state = layer(depth, None, None) if state is None else layer(depth, state.layers[i],
-                                                                                       state.padding)
+            depth, layer_state = layer(depth, None, None, context) if state is None else layer(
+                depth, state.layers[i], state.padding)
             layer_states.append(layer_state)
         logits = self._logits(depth)
         if state is None:

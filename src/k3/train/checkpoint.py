@@ -48,7 +48,7 @@ def write_state(directory: Path, state: dict[str, Any]) -> None:
 
 def save_checkpoint(out: Path, step: int, model: torch.nn.Module, config: K3Config, train: dict[str, Any],
                     tokenizer_dir: Path, state: dict[str, Any], keep: int = 2) -> Path:
-    """Write checkpoint ``step`` under ``out`` atomically, point ``latest`` at it, then `_prune` to ``keep``."""
+    """Write checkpoint ``step`` under ``out`` atomically, point ``latest`` at it, then `prune` to ``keep``."""
     final = out / f"step-{step:07d}"
     with atomic_directory(final) as tmp:
         write_model(tmp, model, config)
@@ -58,11 +58,11 @@ def save_checkpoint(out: Path, step: int, model: torch.nn.Module, config: K3Conf
             shutil.copyfile(tokenizer_dir / "tokenizer.json", path)
         write_state(tmp, state)
     write_text(out / LATEST, final.name)
-    _prune(out, keep, final.name)
+    prune(out, keep, final.name)
     return final
 
 
-def _prune(out: Path, keep: int, latest: str) -> None:
+def prune(out: Path, keep: int, latest: str) -> None:
     """Remove all but the newest ``keep`` checkpoints, never ``latest``, and partial ``step-*.tmp`` left by
     killed saves."""
     for old in checkpoints(out)[:-keep]:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from k3.config import K3Config, MXConfig, preset
@@ -26,7 +27,7 @@ from k3.model.lm import K3ForCausalLM
 from k3.model.memory import check_fits
 from k3.model.sequence.mla import GatedMLA
 from k3.train import checkpoint as ckpt
-from k3.train import multimodal
+from k3.train import multimodal, sharded
 from k3.model import checkpoint as model_ckpt
 from k3.train.balance import QuantileBalancer
 from k3.train.data import (
@@ -208,22 +209,38 @@ class Run:
         self.step_index = 0
         self.last_val_loss: float | None = None
         self.metrics_path = self.out / "metrics.jsonl"
+        self.writes = True  # this process writes the run's files (in a distributed run, rank 0 alone)
+        self.device = torch.device("cpu")
 
     # ---------------------------------------------------------------- setup
     def prepare(self, resume: bool) -> None:
         """Load or build tokenizer and data, optimisers; resume from the newest checkpoint if asked."""
+        existing = self.prepare_data(resume)
+        self.optimizers = build_optimizers(self.model, self.model_config, self.config.optim)
+        self.schedulers = schedulers(self.optimizers, self.config.steps, self.config.optim)
+        mode = self.config.balance
+        self.balancer = None if mode == "none" else QuantileBalancer(self.model, mode=mode)
+        if existing is not None:
+            self._restore(existing)
+        elif self.writes:
+            self.metrics_path.write_text("")
+
+    def prepare_data(self, resume: bool) -> Path | None:
+        """Tokenizer (the checkpoint's, the run's, or trained), tokenized data and loader; returns the checkpoint
+        to resume from, if any."""
         self.out.mkdir(parents=True, exist_ok=True)
         found = model_ckpt.checkpoints(self.out)
         if not resume and (found or (self.out / model_ckpt.LATEST).exists()):
             names = ", ".join(p.name for p in found) or model_ckpt.LATEST
             raise ValueError(f"{self.out} already holds a checkpoint ({names}); pass --resume to continue it "
                              f"or choose another --out")
-        existing = ckpt.latest_checkpoint(self.out) if resume else None
+        existing = model_ckpt.latest_checkpoint(self.out, sharded.verify_any) if resume else None
         train_docs, val_docs = _documents(self.config)
         self.tok_dir = self.out / "tokenizer"
         if existing is not None:  # the checkpoint's own tokenizer is authoritative
             self.tokenizer = model_ckpt.read_tokenizer(existing)
-            self.tokenizer.save(self.tok_dir)
+            if self.writes:
+                self.tokenizer.save(self.tok_dir)
         elif (self.tok_dir / "tokenizer.json").exists():
             self.tokenizer = Tokenizer.load(self.tok_dir)
         else:
@@ -235,14 +252,7 @@ class Run:
         self.train_tokens = tokenize_documents(self.tokenizer, train_docs)
         self.val_tokens = tokenize_documents(self.tokenizer, val_docs)
         self.train_loader = self._loader()
-        self.optimizers = build_optimizers(self.model, self.model_config, self.config.optim)
-        self.schedulers = schedulers(self.optimizers, self.config.steps, self.config.optim)
-        mode = self.config.balance
-        self.balancer = None if mode == "none" else QuantileBalancer(self.model, mode=mode)
-        if existing is not None:
-            self._restore(existing)
-        else:
-            self.metrics_path.write_text("")
+        return existing
 
     def prepare_evaluation(self, checkpoint: Path) -> None:
         """Load ``checkpoint`` (weights, tokenizer, step) and the validation data for `evaluate`, writing
@@ -280,11 +290,12 @@ class Run:
 
     def _restore(self, path: Path) -> None:
         self._check_config(path)
-        model_ckpt.load_weights(path, self.model)
         state = ckpt.load_state(path)
+        if sharded.is_sharded(path):
+            sharded.load(path, self.model, self.optimizers, getattr(self, "expert_shards", None))
+        else:
+            self._load_single(path, state)
         try:
-            for opt, s in zip(self.optimizers, state["optimizers"], strict=True):
-                opt.load_state_dict(s)
             for sched, s in zip(self.schedulers, state["schedulers"], strict=True):
                 sched.load_state_dict(s)
             self.step_index = int(state["step"])
@@ -294,7 +305,17 @@ class Run:
             torch.set_rng_state(state["rng"]["torch"])
         except (KeyError, ValueError, TypeError, RuntimeError) as err:
             raise ValueError(f"{ckpt.state_file(path)}: does not match this run ({type(err).__name__}: {err})") from err
-        self._truncate_metrics()
+        if self.writes:
+            self._truncate_metrics()
+
+    def _load_single(self, path: Path, state: dict[str, Any]) -> None:
+        """Weights and optimiser states from a single-process checkpoint."""
+        model_ckpt.load_weights(path, self.model)
+        try:
+            for opt, s in zip(self.optimizers, state["optimizers"], strict=True):
+                opt.load_state_dict(s)
+        except (KeyError, ValueError, TypeError, RuntimeError) as err:
+            raise ValueError(f"{ckpt.state_file(path)}: does not match this run ({type(err).__name__}: {err})") from err
 
     def _truncate_metrics(self) -> None:
         """Drop the metrics logged after the restored step (they belong to the interrupted attempt), and a
@@ -326,7 +347,7 @@ class Run:
 
     # ---------------------------------------------------------------- one step
     def _autocast(self):
-        return torch.autocast("cpu", dtype=torch.bfloat16) if self.config.bf16 else contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=torch.bfloat16) if self.config.bf16 else contextlib.nullcontext()
 
     def _mla_layers(self) -> list[GatedMLA]:
         return [m for m in self.model.modules() if isinstance(m, GatedMLA)]
@@ -367,7 +388,7 @@ class Run:
             batches.append(self._multimodal_batch())
         loss = self._accumulate(batches)
         tokens = sum(inputs.numel() for inputs, *_ in batches)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.clip_grad))
+        grad_norm = self.clip_gradients(cfg.clip_grad)
         lr = self.optimizers[0].param_groups[0]["lr"]
         for opt in self.optimizers:
             opt.step()
@@ -382,10 +403,16 @@ class Run:
         if clip is not None:
             for layer in self._mla_layers():
                 if layer.max_logits is not None:
+                    if dist.is_initialized():  # the largest logit any process saw (every process runs every layer)
+                        dist.all_reduce(layer.max_logits, op=dist.ReduceOp.MAX)
                     qk_clip_mla(layer, layer.max_logits, clip)
                 layer.record_max_logits, layer.max_logits = False, None
         self.step_index += 1
         return record
+
+    def clip_gradients(self, max_norm: float) -> float:
+        """Scale the gradients to global norm ``max_norm`` at most; returns the norm before."""
+        return float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
 
     def _multimodal_batch(self) -> tuple:
         """This step's generated image–text examples (a function of the seed and the step: resumes exactly)."""
@@ -405,6 +432,7 @@ class Run:
                                                   max(1, self.config.tokens_per_step // length),
                                                   self.tokenizer.eos_id, self.tokenizer.pad_id,
                                                   max_batches=batches or self.config.eval_batches):
+            inputs, targets, mask = inputs.to(self.device), targets.to(self.device), mask.to(self.device)
             with self._autocast():
                 logits, _ = self.model(inputs)
             loss_sum, n = masked_loss_sum(logits.float(), targets, mask)
@@ -468,7 +496,7 @@ def _train_steps(run: Run, config: TrainConfig) -> None:
             break
     if bar is not None:
         bar.close()
-    if run.step_index > start_step:
+    if run.step_index > start_step and run.writes:
         plot_metrics(run.metrics_path, run.out / "curves.png")
 
 

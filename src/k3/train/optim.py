@@ -22,9 +22,12 @@ from functools import partial
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
 from k3.config import K3Config
+from k3.dist.fsdp import local_rows
+from k3.dist.muon import owner_update
 from k3.model.sequence.kda import KDALayer
 from k3.model.sequence.mla import GatedMLA
 from k3.model.width import Experts, Router
@@ -157,8 +160,11 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        owner = 0  # FSDP-sharded parameters: whole matrices orthogonalised on rotating owner ranks (`owner_update`)
         for group in self.param_groups:
             lr, mu = group["lr"], group["momentum"]
+            orthogonal = partial(_orthogonal_update, num_heads=group["num_heads"], head_split=group["head_split"],
+                                 steps=group["ns_steps"])
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -167,10 +173,13 @@ class Muon(torch.optim.Optimizer):
                     state["momentum_buffer"] = torch.zeros_like(p)
                 buf = state["momentum_buffer"]
                 buf.mul_(mu).add_(p.grad)
-                update = _orthogonal_update(p.grad.add(buf, alpha=mu), group["num_heads"], group["head_split"],
-                                            group["ns_steps"])
-                p.mul_(1 - lr * group["weight_decay"])
-                p.add_(update.to(p.dtype), alpha=-lr)
+                direction = p.grad.add(buf, alpha=mu)
+                if isinstance(direction, DTensor):
+                    update, target, owner = owner_update(direction, owner, orthogonal), p.to_local(), owner + 1
+                else:
+                    update, target = orthogonal(direction), p
+                target.mul_(1 - lr * group["weight_decay"])
+                target.add_(update.to(target.dtype), alpha=-lr)
         return loss
 
 
@@ -195,9 +204,17 @@ def qk_clip_mla(attn: GatedMLA, max_logits: Tensor, threshold: float) -> Tensor:
     root, ones = gamma.sqrt()[:, None], torch.ones_like(gamma)[:, None]
     q_scale = torch.cat([root.expand(H, nope), gamma[:, None].expand(H, shared)], dim=1).reshape(-1, 1)
     kv_scale = torch.cat([root.expand(H, nope), ones.expand(H, v)], dim=1).reshape(-1, 1)
-    q_weight.mul_(q_scale.to(q_weight.dtype))
-    attn.kv_b_proj.weight.mul_(kv_scale.to(attn.kv_b_proj.weight.dtype))
+    _scale_rows(q_weight, q_scale)
+    _scale_rows(attn.kv_b_proj.weight, kv_scale)
     return gamma
+
+
+def _scale_rows(weight: Tensor, scale: Tensor) -> None:
+    """``weight *= scale`` (``scale`` ``[rows, 1]``) in place, on this rank's rows of an FSDP-sharded weight."""
+    if isinstance(weight, DTensor):
+        weight.to_local().mul_(scale[local_rows(weight)].to(weight.dtype))
+    else:
+        weight.mul_(scale.to(weight.dtype))
 
 
 @dataclass

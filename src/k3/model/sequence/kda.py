@@ -175,25 +175,41 @@ class KDALayer(nn.Module):
     def forward(self, x: Tensor, state: KDAState | None,
                 record: list[KDAReplay] | None = None) -> tuple[Tensor, KDAState | None]:
         """``record`` (a list): append the run's `KDAReplay`, to advance ``state`` by a prefix of it later."""
-        B, T, _ = x.shape
-        H, K, V = self.num_heads, self.head_dim, self.value_dim
-        conv_in = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)
-        qkv, window = self.conv(conv_in, None if state is None else state.conv)
-        q, k, v = qkv.split([H * K, H * K, H * V], dim=-1)
-        q, k = kda.l2norm(q.unflatten(-1, (H, K))), kda.l2norm(k.unflatten(-1, (H, K)))
-        v = v.unflatten(-1, (H, V))
-        g = self.decay(x)
-        beta = torch.sigmoid(_at_least_fp32(self.b_proj(x)))
+        T = x.shape[1]
+        replay, window = self.features(x, None if state is None else state.conv)
         if record is not None:
-            record.append(KDAReplay(conv_in, q, k, v, g, beta))
+            record.append(replay)
+        q, k, v, g, beta = replay.q, replay.k, replay.v, replay.g, replay.beta
         initial = None if state is None else state.recurrent
         if T == 1 and initial is not None:
             o, final = kda.step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], initial)
             o = o.unsqueeze(1)
         else:
-            chunk = min(self.chunk_size, -(-T // 16) * 16)  # short prefill chunks: no padding to a long chunk
-            o, final = kda.chunked(q, k, v, g, beta, initial_state=initial, chunk_size=chunk)
+            o, final = kda.chunked(q, k, v, g, beta, initial_state=initial, chunk_size=self.chunk_for(T))
+        return self.readout(x, o), None if state is None else KDAState(conv=window, recurrent=final)
+
+    def chunk_for(self, T: int) -> int:
+        """The recurrence's chunk length for ``T`` tokens: short prefill chunks are not padded to a long chunk."""
+        return min(self.chunk_size, -(-T // 16) * 16)
+
+    def conv_inputs(self, x: Tensor) -> Tensor:
+        """The ShortConv's inputs ``[B, T, 2·H·d_k + H·d_v]``: the q, k, v projections of ``x``."""
+        return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)
+
+    def features(self, x: Tensor, window: Tensor | None, conv_in: Tensor | None = None) -> tuple[KDAReplay, Tensor]:
+        """The recurrence's inputs for ``x`` ``[B, T, d]`` after the ShortConv ``window`` (None: zeros) — as a
+        `KDAReplay` (with the projected conv inputs, `conv_inputs` unless given) — and the new window."""
+        H, K, V = self.num_heads, self.head_dim, self.value_dim
+        conv_in = self.conv_inputs(x) if conv_in is None else conv_in
+        qkv, window = self.conv(conv_in, window)
+        q, k, v = qkv.split([H * K, H * K, H * V], dim=-1)
+        q, k = kda.l2norm(q.unflatten(-1, (H, K))), kda.l2norm(k.unflatten(-1, (H, K)))
+        beta = torch.sigmoid(_at_least_fp32(self.b_proj(x)))
+        return KDAReplay(conv_in, q, k, v.unflatten(-1, (H, V)), self.decay(x), beta), window
+
+    def readout(self, x: Tensor, o: Tensor) -> Tensor:
+        """The layer output from the recurrence's output ``o`` ``[B, T, H, V]``: gated per-head norm, projection."""
+        H, V = self.num_heads, self.value_dim
         gate = self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))
         o = self.o_norm(_at_least_fp32(o)) * torch.sigmoid(_at_least_fp32(gate.unflatten(-1, (H, V))))
-        y = self.o_proj(o.flatten(2).to(x.dtype))
-        return y, None if state is None else KDAState(conv=window, recurrent=final)
+        return self.o_proj(o.flatten(2).to(x.dtype))

@@ -1,0 +1,171 @@
+"""Training on N processes (issue 17; SPEC §8): `DistributedRun` and the ``k3 train --nproc`` launcher.
+
+Every rank builds the same model from the seed and reads the same global batches; the `ParallelLayout` decides its
+share: batch rows by data rank (``dp_replicate × dp_shard × ep``), a contiguous segment of every sequence by context
+rank (``cp``). Each rank backpropagates its share's loss sum divided by the step's global count of supervised
+positions (known from the masks on every rank), FSDP2 sums the gradients (`k3.dist.fsdp`), Muon orthogonalises
+whole matrices on owner ranks (`k3.dist.muon`), the balancer pools the routers' statistics over all ranks (every
+rank then writes the same bias), QK-clip uses the largest logit any rank saw. The step's loss, gradients and
+parameters are therefore the single-process run's on the same batch, up to float summation order.
+
+Rank 0 writes the run's files (tokenizer, metrics, plot); checkpoints are sharded (`k3.train.sharded`), written by
+all ranks. A 1-process run never comes here: it is `k3.train.loop.Run`, with no distributed call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from k3.dist.context import ContextParallel
+from k3.dist.expert import ExpertParallelExperts, shard_experts
+from k3.dist.fsdp import shard_model
+from k3.dist.muon import clip_grad_norm
+from k3.dist.layout import ParallelLayout
+from k3.dist.mesh import World
+from k3.train import sharded
+from k3.train.data import masked_loss_sum
+from k3.train.loop import Run, TrainConfig, _train_steps
+
+
+def check_layout(config: TrainConfig, layout: ParallelLayout) -> ParallelLayout:
+    """The layout against the run before any process exists: ``ep`` against the experts, every curriculum stage's
+    batch rows against the data ranks, its sequence length against ``cp``. Errors name the flag."""
+    if layout.distributed and config.multimodal:
+        raise ValueError("--multimodal is not supported with more than one process yet")
+    lengths = [int(length) for _, length in config.curriculum]
+    rows = [config.tokens_per_step // (length * config.grad_accum) for length in lengths]
+    return layout.validate(config.model_config(), batch_rows=rows, seq_lens=lengths)
+
+
+class DistributedRun(Run):
+    """`Run` on one rank of ``world``: same data, its share of each step, sharded model and checkpoints."""
+
+    def __init__(self, config: TrainConfig, world: World, redundant_slots: int | None = None) -> None:
+        """``redundant_slots`` (``ep`` > 1): MoonEP's redundant expert slots per rank; None: E/ep (every plan
+        feasible), 0: plain expert parallelism."""
+        check_layout(config, world.layout)
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world.layout.world))
+        config = dataclasses.replace(config, progress=config.progress and world.rank == 0,
+                                     threads=config.threads or threads_per_rank(local))
+        super().__init__(config)
+        self.world, self.device = world, world.device
+        self.writes = world.rank == 0
+        self.model.to(self.device)
+        lay = world.layout
+        self.experts: list[ExpertParallelExperts] = []
+        if lay.ep > 1:  # each rank keeps E/ep experts, whole and replicated over the other dimensions
+            local = self.model_config.moe.num_experts // lay.ep
+            shard_experts(self.model, world.group("ep"), local if redundant_slots is None else redundant_slots)
+            self.experts = [m for m in self.model.modules() if isinstance(m, ExpertParallelExperts)]
+            self.expert_replicas = world.expert_replicas() if lay.world > lay.ep else None
+        shard_model(self.model, world.fsdp_mesh(), config.bf16,
+                    ignored={p for m in self.experts for p in m.parameters()})
+        self.context = ContextParallel(world.group("cp")) if lay.cp > 1 else None
+
+    def prepare_data(self, resume: bool) -> Path | None:
+        """Rank 0 first (it may train and write the tokenizer), then the others, which read what it wrote; an error
+        on rank 0 is raised on every rank."""
+        outcome: list[str | None] = [None]
+        existing = None
+        if self.writes:
+            try:
+                existing = super().prepare_data(resume)
+            except (ValueError, OSError) as err:
+                outcome = [f"{type(err).__name__}: {err}"]
+                dist.broadcast_object_list(outcome, src=0)
+                raise
+        dist.broadcast_object_list(outcome, src=0)
+        if outcome[0] is not None:
+            raise ValueError(f"rank 0 could not prepare the run: {outcome[0]}")
+        return existing if self.writes else super().prepare_data(resume)
+
+    def _load_single(self, path: Path, state: dict[str, Any]) -> None:
+        raise ValueError(f"{path}: a single-process checkpoint; a distributed run resumes from a sharded one — "
+                         f"convert it first: k3 convert-ckpt --ckpt {path} --out DIR")
+
+    def share(self, t: Tensor) -> Tensor:
+        """This rank's rows (data rank) and contiguous segment (context rank) of a global ``[B, T]`` batch tensor."""
+        lay = self.world.layout
+        rows = t.tensor_split(lay.data_ranks)[self.world.data_index]
+        return rows.tensor_split(lay.cp, dim=1)[self.world.cp_index].to(self.device)
+
+    def _accumulate(self, batches: list[tuple[Tensor, Tensor, Tensor]]) -> float:
+        """`Run._accumulate` on this rank's share: the objective's denominator is the step's global count."""
+        supervised = sum(int(mask.sum()) for _, _, mask in batches)
+        if supervised == 0:
+            raise ValueError(f"step {self.step_index + 1}: its {len(batches)} micro-batch(es) have no supervised "
+                             f"positions")
+        self.model.train()
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for batch in batches:
+            inputs, targets, mask = (self.share(t) for t in batch)
+            with self._autocast():
+                logits, _ = self.model(inputs, context=self.context)
+            loss_sum, _ = masked_loss_sum(logits.float(), targets, mask)
+            (loss_sum / supervised).backward()
+            total += loss_sum.detach().double()
+        dist.all_reduce(total)
+        if self.experts and self.expert_replicas is not None:  # FSDP does not see them: sum over their replicas
+            for p in (p for m in self.experts for p in m.parameters() if p.grad is not None):
+                dist.all_reduce(p.grad, group=self.expert_replicas)
+        return float(total) / supervised
+
+    def clip_gradients(self, max_norm: float) -> float:
+        return clip_grad_norm(list(self.model.parameters()), max_norm,
+                              self.world.group("ep") if self.experts else None)
+
+    def save(self) -> Path:
+        state = {"schedulers": [s.state_dict() for s in self.schedulers], "loader": self.train_loader.state_dict(),
+                 "loader_stage": self.stage, "rng": {"torch": torch.get_rng_state()}, "step": self.step_index}
+        return sharded.save(self.out, self.step_index, self.model, self.optimizers, self.model_config,
+                            self.config.to_dict(), self.tok_dir, state, self._expert_shards())
+
+    def _restore(self, path: Path) -> None:
+        self.expert_shards = self._expert_shards()
+        super()._restore(path)
+
+    def _expert_shards(self) -> sharded.ExpertShards | None:
+        """Where this rank's expert-parallel experts sit in the full expert tensors (for DCP), if any."""
+        if not self.experts:
+            return None
+        names = {f"{name}.{p}" for name, m in self.model.named_modules() if isinstance(m, ExpertParallelExperts)
+                 for p in ("gate_up", "down")}
+        return sharded.ExpertShards(self.world.mesh["ep"], names)
+
+    def log(self, record: dict[str, Any]) -> None:
+        if self.writes:
+            super().log(record)
+
+
+def train_distributed(config: TrainConfig, world: World, resume: bool = False) -> DistributedRun:
+    """`k3.train.loop.train` on this rank of ``world``: every rank calls it."""
+    run = DistributedRun(config, world)
+    run.prepare(resume)
+    threads = torch.get_num_threads()
+    try:
+        _train_steps(run, run.config)
+    finally:
+        torch.set_num_threads(threads)
+    return run
+
+
+def threads_per_rank(local_world: int) -> int:
+    """Torch threads for each of ``local_world`` processes on this machine: the cores shared out, at least one."""
+    return max(1, (os.cpu_count() or 1) // local_world)
+
+
+def launch(argv: list[str], nproc: int) -> int:
+    """Run ``k3 <argv>`` on ``nproc`` local processes with ``torchrun`` (``torch.distributed.run --standalone``);
+    returns its exit status (non-zero when any rank failed: torchrun then stops the others)."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               "--max-restarts=0", "-m", "k3", *argv]
+    return subprocess.run(command, check=False).returncode

@@ -1,0 +1,193 @@
+"""Sharded training checkpoints with `torch.distributed.checkpoint` (issue 17, item 5).
+
+A distributed run's checkpoint ``step-NNNNNNN`` holds what a single-process one holds (`k3.train.checkpoint`)
+except the tensors of the model and optimisers, which live in ``dcp/`` as DCP shards: every rank writes its own
+shards of the weights, Muon momenta and AdamW moments (FSDP2 DTensors, keyed by parameter name), and DCP's metadata
+records each tensor's global shape, so a checkpoint saved on N ranks loads on M ranks — any layout, a single process
+included — by resharding. ``state.json`` / ``state.safetensors`` keep the schedulers, data-loader position, RNG
+and step; ``config.json``, ``tokenizer.json``, ``train.json`` and ``checksums.json`` are the single-process files.
+
+Saving is atomic across ranks: all ranks write into ``step-NNNNNNN.tmp``, rank 0 renames it after a barrier and only
+then moves ``latest``, so a rank killed mid-save (kill -9) leaves ``latest`` on the previous, complete checkpoint.
+
+`convert` turns one format into the other in one process (``k3 convert-ckpt``).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import Tensor, nn
+from torch.distributed.checkpoint import DefaultLoadPlanner
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from k3.config import K3Config
+from k3.model.checkpoint import (LATEST, atomic_directory, latest_checkpoint, load_weights, read_config, verified,
+                                 write_manifest, write_model, write_text, writing)
+from k3.model.lm import K3ForCausalLM
+from k3.train import checkpoint as ckpt
+from k3.train.optim import OptimConfig, build_optimizers
+
+SHARDS = "dcp"
+METADATA = ".metadata"
+
+
+def is_sharded(path: Path) -> bool:
+    return (Path(path) / SHARDS).is_dir()
+
+
+def verify_sharded(path: Path) -> None:
+    """The files of a sharded checkpoint are there and match their checksums; DCP's metadata is present."""
+    for name in ("config.json", "tokenizer.json", "train.json", ckpt.STATE_TENSORS, ckpt.STATE_JSON):
+        verified(path, name)
+    if not (path / SHARDS / METADATA).is_file():
+        raise ValueError(f"{path / SHARDS}: DCP metadata {METADATA} is missing (an incomplete save)")
+
+
+def verify_any(path: Path) -> None:
+    """`verify_sharded` or `k3.train.checkpoint.verify_checkpoint`, whichever format ``path`` has."""
+    (verify_sharded if is_sharded(path) else ckpt.verify_checkpoint)(path)
+
+
+@dataclass
+class ExpertShards:
+    """Expert-parallel experts (`k3.dist.expert`): plain tensors holding rows ``r·E/ep …`` of the full expert tensors
+    on ep rank r. Saved as DTensors over the ``ep`` mesh, so the checkpoint holds the full ``[E, …]`` tensors."""
+
+    mesh: DeviceMesh
+    names: set[str]  # the parameters' names (their optimiser states follow them)
+
+
+def _tensors(model: nn.Module, optimizers: list[torch.optim.Optimizer],
+             experts: ExpertShards | None = None) -> dict[str, Any]:
+    """What DCP saves and loads: the model's and optimisers' state dicts (FSDP2 DTensors as they are), expert shards
+    as DTensors over the ``ep`` mesh."""
+    model_state, optim_state = get_state_dict(model, optimizers)
+    if experts is not None:
+        def full(t: Tensor) -> Tensor:
+            return DTensor.from_local(t, experts.mesh, [Shard(0)], run_check=False) if t.dim() else t
+
+        for name in experts.names:
+            model_state[name] = full(model_state[name])
+            entry = optim_state.get("state", {}).get(name, {})
+            entry.update({key: full(v) for key, v in entry.items() if isinstance(v, Tensor)})
+    return {"model": model_state, "optim": optim_state}
+
+
+def _local(tensors: dict[str, Any]) -> dict[str, Any]:
+    """`_tensors`' expert DTensors back to this rank's plain shards (DCP loaded into their storage)."""
+    def local(t: Any) -> Any:
+        return t.to_local() if isinstance(t, DTensor) and t.device_mesh.mesh_dim_names == ("ep",) else t
+
+    model_state = {k: local(v) for k, v in tensors["model"].items()}
+    optim = dict(tensors["optim"])
+    optim["state"] = {k: {n: local(v) for n, v in entry.items()} for k, entry in optim.get("state", {}).items()}
+    return {"model": model_state, "optim": optim}
+
+
+def save(out: Path, step: int, model: nn.Module, optimizers: list[torch.optim.Optimizer], config: K3Config,
+         train: dict[str, Any], tokenizer_dir: Path, state: dict[str, Any], experts: ExpertShards | None = None,
+         keep: int = 2) -> Path:
+    """Write sharded checkpoint ``step`` under ``out`` on every rank (a collective); rank 0 writes the small files,
+    publishes the directory and moves ``latest``, then prunes to ``keep``."""
+    main = not dist.is_initialized() or dist.get_rank() == 0
+    final = out / f"step-{step:07d}"
+    tmp = final.with_name(final.name + ".tmp")
+    if main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    _barrier()
+    dcp.save(_tensors(model, optimizers, experts), checkpoint_id=str(tmp / SHARDS),
+             no_dist=not dist.is_initialized())
+    if main:
+        _write_small_files(tmp, config, train, tokenizer_dir, state)
+        write_manifest(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+        write_text(out / LATEST, final.name)
+        ckpt.prune(out, keep, final.name)
+    _barrier()
+    return final
+
+
+def _write_small_files(directory: Path, config: K3Config, train: dict[str, Any], tokenizer_dir: Path,
+                       state: dict[str, Any]) -> None:
+    with writing(directory / "config.json") as path:
+        path.write_text(json.dumps(config.to_dict(), indent=2))
+    with writing(directory / "train.json") as path:
+        path.write_text(json.dumps(train, indent=2))
+    with writing(directory / "tokenizer.json") as path:
+        shutil.copyfile(tokenizer_dir / "tokenizer.json", path)
+    ckpt.write_state(directory, state)
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def load(path: Path, model: nn.Module, optimizers: list[torch.optim.Optimizer],
+         experts: ExpertShards | None = None) -> None:
+    """Load the model's and optimisers' tensors of sharded checkpoint ``path`` into this process's shards
+    (resharding from whatever layout saved them; a plain, unsharded model in a single process too)."""
+    verify_sharded(path)
+    tensors = _tensors(model, optimizers, experts)
+    saved = dcp.FileSystemReader(str(path / SHARDS)).read_metadata().state_dict_metadata
+    missing = sorted(f"model.{name}" for name in tensors["model"] if f"model.{name}" not in saved)
+    if missing:
+        raise ValueError(f"{path / SHARDS}: holds no tensor {missing[0]!r} ({len(missing)} of the model's missing)")
+    try:  # parameters that never had a gradient (e.g. an unused vision tower) have no optimiser state saved
+        dcp.load(tensors, checkpoint_id=str(path / SHARDS), planner=DefaultLoadPlanner(allow_partial_load=True),
+                 no_dist=not dist.is_initialized())
+    except Exception as err:  # DCP raises CheckpointException (or RuntimeError) for mismatched tensors
+        raise ValueError(f"{path / SHARDS}: cannot load into this model ({type(err).__name__}: {err})") from err
+    tensors = _local(tensors)
+    set_state_dict(model, optimizers, model_state_dict=tensors["model"], optim_state_dict=tensors["optim"])
+
+
+def resolve(path: Path) -> Path:
+    """A training checkpoint directory (either format), or a run directory's newest one."""
+    path = Path(path)
+    if (path / ckpt.STATE_JSON).exists() or (path / ckpt.LEGACY_STATE).exists():
+        return path
+    found = latest_checkpoint(path, verify_any) if path.is_dir() else None
+    if found is None:
+        raise ValueError(f"{path}: no training checkpoint here (a run directory or a step-* checkpoint directory)")
+    return found
+
+
+def convert(source: Path, out: Path) -> Path:
+    """Write training checkpoint ``source`` (or a run directory's newest) in the other format as ``out``, in this
+    process: sharded → single-process files, single-process → sharded. ``out`` must not exist."""
+    source, out = resolve(source), Path(out)
+    if out.exists():
+        raise ValueError(f"{out}: already exists; choose a new --out (nothing was written)")
+    state, train = ckpt.load_state(source), ckpt.read_train(source)
+    config = read_config(source)
+    model = K3ForCausalLM(config)
+    optimizers = build_optimizers(model, config, OptimConfig(**train.get("optim", {})))
+    sharded = is_sharded(source)
+    if sharded:
+        load(source, model, optimizers)
+        state["optimizers"] = [opt.state_dict() for opt in optimizers]
+    else:
+        load_weights(source, model)
+        for opt, saved in zip(optimizers, state.pop("optimizers"), strict=True):
+            opt.load_state_dict(saved)
+    with atomic_directory(out) as tmp:
+        if sharded:
+            write_model(tmp, model, config)
+        else:
+            dcp.save(_tensors(model, optimizers), checkpoint_id=str(tmp / SHARDS), no_dist=not dist.is_initialized())
+        _write_small_files(tmp, config, train, source, state)
+    return out
