@@ -51,13 +51,15 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _rows(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
-    """Each parameter's rows of the one-process tensor held here: an FSDP shard, or an EP rank's experts."""
+    """Each parameter's rows of the one-process tensor held here: its FSDP shard (of this ep rank's experts)."""
     from k3.dist.expert import ExpertParallelExperts
 
     rows = {n: (local_rows(p).start, local_rows(p).stop) for n, p in model.named_parameters()}
     for name, m in model.named_modules():
         if isinstance(m, ExpertParallelExperts):
-            rows.update({f"{name}.{p}": (m.first, m.first + m.local) for p in ("gate_up", "down")})
+            for p in ("gate_up", "down"):
+                start, stop = rows[f"{name}.{p}"]
+                rows[f"{name}.{p}"] = (m.first + start, m.first + stop)
     return rows
 
 
@@ -251,6 +253,51 @@ def test_a_killed_rank_makes_the_others_fail_not_hang(corpus, tmp_path):
     text = report.read_text()
     assert text != "no error"
     assert float(text.split("s ", 1)[0]) < 130, text
+
+
+def _killed_while_saving(rank: int, world: int, port: int, victim: int, config: dict, out: str) -> None:
+    """Save step 1; at step 2's save rank ``victim`` is killed (SIGKILL) inside DCP's write."""
+    import torch.distributed.checkpoint as dcp
+
+    from k3.train.distributed import DistributedRun
+
+    w = _join(rank, world, port, {})
+    run = DistributedRun(TrainConfig.from_dict(config), w)
+    run.prepare(False)
+    run.step()
+    run.save()
+    run.step()
+    if rank == victim:
+        dcp.save = lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        run.save()
+    except Exception as err:  # noqa: BLE001 - the survivor's failure is expected
+        Path(out).write_text(f"{type(err).__name__}: {err}")
+    os._exit(0)
+
+
+@pytest.mark.parametrize("victim", [0, 1], ids=["rank 0 (it publishes)", "rank 1"])
+def test_kill_9_during_a_save_keeps_the_previous_checkpoint(victim, corpus, tmp_path):
+    config = train_config(tmp_path / "run", corpus, steps=6, ckpt_every=100, eval_every=100)
+    tokenizer_run = Run(train_config(tmp_path / "tok", corpus))
+    tokenizer_run.prepare(False)
+    (tmp_path / "run").mkdir()
+    shutil.copytree(tmp_path / "tok" / "tokenizer", tmp_path / "run" / "tokenizer")
+    context = mp.start_processes(_killed_while_saving, args=(2, _port(), victim, config.to_dict(),
+                                                             str(tmp_path / "survivor.txt")),
+                                 nprocs=2, join=False, start_method="spawn")
+    for process in context.processes:
+        process.join(timeout=150)
+        if process.is_alive():
+            process.kill()
+            pytest.fail("a rank was still running 150 s after the kill")
+    assert (tmp_path / "survivor.txt").exists(), "the surviving rank's save did not fail"
+    run_dir = tmp_path / "run"
+    assert (run_dir / "latest").read_text().strip() == "step-0000001"
+    assert not (run_dir / "step-0000002").exists()
+    resumed = Run(TrainConfig.from_dict(config.to_dict()))
+    resumed.prepare(resume=True)  # the previous checkpoint verifies and loads
+    assert resumed.step_index == 1
 
 
 def test_layout_refusals_name_the_flag(corpus, tmp_path, capsys):

@@ -116,7 +116,7 @@ def _train(args: argparse.Namespace) -> int:
         from k3.dist.mesh import init_world
         from k3.train.distributed import train_distributed
 
-        run = train_distributed(config, init_world(layout), resume=args.resume)
+        run = train_distributed(config, init_world(layout), resume=args.resume, redundant_slots=args.ep_slots)
         if not run.writes:
             return 0
     else:
@@ -485,6 +485,9 @@ def main(argv: list[str] | None = None) -> int:
                           "over them (default 1)")
     parallel.add_argument("--cp", type=_positive(int), help="context-parallel ranks: each sequence cut into this "
                           "many contiguous segments (default 1)")
+    parallel.add_argument("--ep-slots", type=_positive(int, zero=True), help="MoonEP: redundant expert slots per "
+                          "expert-parallel rank for copies of hot experts, at most E/ep (default E/ep: every rank "
+                          "processes exactly S×K assignments); 0: plain expert parallelism")
     tr.set_defaults(run=_train)
 
     cc = commands.add_parser("convert-ckpt", help="a training checkpoint in the other format: single-process files "

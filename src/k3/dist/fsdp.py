@@ -27,19 +27,23 @@ def mixed_precision(bf16: bool) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
 
 
-def shard_model(model: nn.Module, mesh: DeviceMesh, bf16: bool = False, ignored: set[nn.Parameter] | None = None) -> None:
+def shard_model(model: nn.Module, mesh: DeviceMesh, bf16: bool = False,
+                experts: tuple[DeviceMesh, list[nn.Module]] | None = None) -> None:
     """Apply FSDP2 to ``model`` (a `K3ForCausalLM`) in place over ``mesh`` (1-D: FSDP; 2-D: HSDP, replicas
-    outermost). ``ignored`` parameters (expert-parallel experts, `k3.dist.expert`) are left whole and unreduced."""
+    outermost). ``experts`` = (mesh, modules): expert-parallel experts (`k3.dist.expert`), each its own unit sharded
+    over its own mesh (the ranks holding the same experts)."""
     policy, fp32 = mixed_precision(bf16), mixed_precision(False)
     # FSDP2 warns for every layer whose output holds a view; K3's layers never modify their outputs in place
     # (the AttnRes depth state is rebuilt, not updated), which the equivalence tests against one process check.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+    for module in experts[1] if experts is not None else ():
+        fully_shard(module, mesh=experts[0], mp_policy=policy)
     for layer in model.layers:
         for module in layer.modules():
             if isinstance(module, Router):
                 fully_shard(module, mesh=mesh, mp_policy=fp32)
-        fully_shard(layer, mesh=mesh, mp_policy=policy, ignored_params=ignored)
-    fully_shard(model, mesh=mesh, mp_policy=policy, ignored_params=ignored)
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)

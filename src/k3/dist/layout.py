@@ -1,12 +1,13 @@
 """The parallel layout of a training run (issue 17; SPEC §8): how ``world`` processes split the work.
 
-Four factors whose product is the world size, torchtitan's names and order:
+Four factors whose product is the world size (torchtitan's names; the mesh orders them ``dp_replicate, ep, dp_shard,
+cp`` so that the ranks sharing experts, ``dp_shard × cp``, are one contiguous block of the mesh):
 
 * ``dp_replicate`` — replicas of the whole model (HSDP's outer dimension); each sees different data.
 * ``dp_shard`` — FSDP2 shards: parameters, gradients and optimiser states split; each sees different data.
-* ``ep`` — expert parallelism: routed experts split over ``ep`` ranks (MoonEP); these ranks also see different data
-  (each holds its own tokens and exchanges them with the others' experts by all-to-all), and the non-expert
-  parameters are FSDP-sharded over them too.
+* ``ep`` — expert parallelism: routed experts split over ``ep`` ranks (MoonEP), each rank's experts FSDP-sharded over
+  ``dp_shard × cp``; these ranks also see different data (each holds its own tokens and exchanges them with the
+  others' experts by all-to-all), and the non-expert parameters are FSDP-sharded over them too.
 * ``cp`` — context parallelism: one sequence cut into ``cp`` contiguous segments, one per rank.
 
 Data ranks: ``dp_replicate × dp_shard × ep`` (the batch is split over them); every rank of a ``cp`` group holds the
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 from k3.config import K3Config
 
 #: The mesh's dimension names, outermost first (`ParallelLayout.shape`).
-MESH_DIMS = ("dp_replicate", "dp_shard", "ep", "cp")
+MESH_DIMS = ("dp_replicate", "ep", "dp_shard", "cp")
 FLAGS = {name: "--" + name.replace("_", "-") for name in MESH_DIMS}
 
 
@@ -56,7 +57,8 @@ class ParallelLayout:
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
-        return self.dp_replicate, self.dp_shard, self.ep, self.cp
+        """The mesh's shape, in `MESH_DIMS` order."""
+        return self.dp_replicate, self.ep, self.dp_shard, self.cp
 
     @property
     def world(self) -> int:

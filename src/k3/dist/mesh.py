@@ -51,7 +51,7 @@ class World:
     def data_index(self) -> int:
         """Which share of the batch rows this rank holds (0 … data_ranks − 1)."""
         c, lay = self.coordinate, self.layout
-        return (c["dp_replicate"] * lay.dp_shard + c["dp_shard"]) * lay.ep + c["ep"]
+        return (c["dp_replicate"] * lay.ep + c["ep"]) * lay.dp_shard + c["dp_shard"]
 
     @property
     def cp_index(self) -> int:
@@ -62,15 +62,17 @@ class World:
         return self.mesh.get_group(dim)
 
     def fsdp_mesh(self) -> DeviceMesh:
-        """Where the non-expert parameters live: sharded over ``dp_shard × ep × cp`` (flattened), replicated over
+        """Where the non-expert parameters live: sharded over ``ep × dp_shard × cp`` (flattened), replicated over
         ``dp_replicate`` (HSDP) — a 1-D mesh when there are no replicas."""
-        shard = self.mesh["dp_shard", "ep", "cp"]._flatten("fsdp")
-        return self.mesh["dp_replicate", "fsdp"] if self.layout.dp_replicate > 1 else shard
+        return self._hsdp(self.mesh["ep", "dp_shard", "cp"]._flatten("fsdp"), "fsdp")
 
-    def expert_replicas(self) -> dist.ProcessGroup:
-        """The ranks holding the same routed experts as this one (same ``ep`` coordinate): ``dp_replicate × dp_shard
-        × cp``. Expert-parallel experts are replicated over them and their gradients summed there."""
-        return self.mesh["dp_replicate", "dp_shard", "cp"]._flatten("expert_replicas").get_group()
+    def expert_mesh(self) -> DeviceMesh:
+        """Where each rank's expert-parallel experts live: sharded over ``dp_shard × cp`` (the ranks with the same
+        ``ep`` coordinate), replicated over ``dp_replicate``."""
+        return self._hsdp(self.mesh["dp_shard", "cp"]._flatten("expert_fsdp"), "expert_fsdp")
+
+    def _hsdp(self, shard: DeviceMesh, name: str) -> DeviceMesh:
+        return self.mesh["dp_replicate", name] if self.layout.dp_replicate > 1 else shard
 
 
 def init_world(layout: ParallelLayout, timeout: timedelta = DEFAULT_TIMEOUT) -> World:

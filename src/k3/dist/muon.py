@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 
@@ -51,11 +52,10 @@ def owner_update(direction: DTensor, owner: int, update: Callable[[Tensor], Tens
     return mine[: local.shape[0]]
 
 
-def grad_norm(params: Iterable[Tensor], plain_group: dist.ProcessGroup | None = None) -> Tensor:
+def grad_norm(params: Iterable[Tensor], extra: dict[DeviceMesh, dist.ProcessGroup] | None = None) -> Tensor:
     """The 2-norm of all gradients (fp32) as the single process computes it, for plain and sharded parameters: each
-    shard's squares are summed over the groups of its mesh's sharded dimensions (not over replicas); with
-    ``plain_group`` (expert parallelism: each rank's plain parameters are different experts) the plain parameters'
-    squares are summed over it."""
+    shard's squares are summed over the groups of its mesh's sharded dimensions (not over replicas), and over
+    ``extra[mesh]`` where given (expert parallelism: the ranks holding other experts)."""
     groups: dict[tuple, list] = {}  # (mesh id, sharded dims) → [mesh, sharded dims, sum of squares]
     for p in params:
         if p.grad is None:
@@ -71,17 +71,18 @@ def grad_norm(params: Iterable[Tensor], plain_group: dist.ProcessGroup | None = 
     for mesh, dims, total in groups.values():
         for d in dims:
             dist.all_reduce(total, group=mesh.get_group(d))
-        if mesh is None and plain_group is not None:
-            dist.all_reduce(total, group=plain_group)
+        if extra and mesh is not None and mesh in extra:
+            dist.all_reduce(total, group=extra[mesh])
         norm2 = norm2.to(total.device) + total
     return norm2.sqrt()
 
 
 @torch.no_grad()
-def clip_grad_norm(params: list[Tensor], max_norm: float, plain_group: dist.ProcessGroup | None = None) -> float:
+def clip_grad_norm(params: list[Tensor], max_norm: float,
+                   extra: dict[DeviceMesh, dist.ProcessGroup] | None = None) -> float:
     """`torch.nn.utils.clip_grad_norm_` for parameters sharded on different meshes (`grad_norm`): scale every gradient
     by ``max_norm / (norm + 1e-6)`` when the global norm exceeds ``max_norm``; returns the norm before clipping."""
-    norm = grad_norm(params, plain_group)
+    norm = grad_norm(params, extra)
     coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for p in params:
         if p.grad is not None:

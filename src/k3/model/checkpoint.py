@@ -39,6 +39,7 @@ from k3.tokenization.bpe import Tokenizer
 LATEST = "latest"
 MANIFEST = "checksums.json"
 WEIGHTS = "model.safetensors"
+SHARDED = "dcp"  # the folder of a sharded training checkpoint's tensors (`k3.train.sharded`)
 MODEL_FILES = (WEIGHTS, "config.json", "tokenizer.json")
 QUANTIZATION = "quantization_config"
 
@@ -210,12 +211,14 @@ def latest_checkpoint(out: Path, verify: Callable[[Path], None] = verify_model) 
 
 def resolve(path: Path) -> Path:
     """A checkpoint directory from a run directory (its newest checkpoint) or a checkpoint directory."""
-    if (path / WEIGHTS).exists():
-        return path
-    found = latest_checkpoint(path) if path.is_dir() else None
+    found = path if (path / WEIGHTS).exists() or (path / SHARDED).is_dir() else (
+        latest_checkpoint(path) if path.is_dir() else None)
     if found is None:
         raise ValueError(f"{path}: no checkpoint here (expected a run directory with '{LATEST}' or step-* "
                          f"checkpoints, or a checkpoint directory with {WEIGHTS})")
+    if not (found / WEIGHTS).exists() and (found / SHARDED).is_dir():  # `k3.train.sharded`: a distributed run's
+        raise ValueError(f"{found}: a sharded (torch.distributed.checkpoint) training checkpoint; write it as "
+                         f"single-process files first: k3 convert-ckpt --ckpt {found} --out DIR")
     return found
 
 

@@ -62,13 +62,12 @@ class DistributedRun(Run):
         self.model.to(self.device)
         lay = world.layout
         self.experts: list[ExpertParallelExperts] = []
-        if lay.ep > 1:  # each rank keeps E/ep experts, whole and replicated over the other dimensions
+        self.expert_mesh = world.expert_mesh()
+        if lay.ep > 1:  # each rank keeps E/ep experts, FSDP-sharded over the ranks that share them
             local = self.model_config.moe.num_experts // lay.ep
             shard_experts(self.model, world.group("ep"), local if redundant_slots is None else redundant_slots)
             self.experts = [m for m in self.model.modules() if isinstance(m, ExpertParallelExperts)]
-            self.expert_replicas = world.expert_replicas() if lay.world > lay.ep else None
-        shard_model(self.model, world.fsdp_mesh(), config.bf16,
-                    ignored={p for m in self.experts for p in m.parameters()})
+        shard_model(self.model, world.fsdp_mesh(), config.bf16, (self.expert_mesh, self.experts))
         self.context = ContextParallel(world.group("cp")) if lay.cp > 1 else None
 
     def prepare_data(self, resume: bool) -> Path | None:
@@ -114,14 +113,12 @@ class DistributedRun(Run):
             (loss_sum / supervised).backward()
             total += loss_sum.detach().double()
         dist.all_reduce(total)
-        if self.experts and self.expert_replicas is not None:  # FSDP does not see them: sum over their replicas
-            for p in (p for m in self.experts for p in m.parameters() if p.grad is not None):
-                dist.all_reduce(p.grad, group=self.expert_replicas)
         return float(total) / supervised
 
     def clip_gradients(self, max_norm: float) -> float:
-        return clip_grad_norm(list(self.model.parameters()), max_norm,
-                              self.world.group("ep") if self.experts else None)
+        """The global norm: expert shards' squares summed over their mesh and over the ranks holding other experts."""
+        extra = {self.expert_mesh: self.world.group("ep")} if self.experts else None
+        return clip_grad_norm(list(self.model.parameters()), max_norm, extra)
 
     def save(self) -> Path:
         state = {"schedulers": [s.state_dict() for s in self.schedulers], "loader": self.train_loader.state_dict(),
@@ -137,8 +134,8 @@ class DistributedRun(Run):
         """Where this rank's expert-parallel experts sit in the full expert tensors (for DCP), if any."""
         if not self.experts:
             return None
-        names = {f"{name}.{p}" for name, m in self.model.named_modules() if isinstance(m, ExpertParallelExperts)
-                 for p in ("gate_up", "down")}
+        names = [f"{name}.{p}" for name, m in self.model.named_modules() if isinstance(m, ExpertParallelExperts)
+                 for p in ("gate_up", "down")]
         return sharded.ExpertShards(self.world.mesh["ep"], names)
 
     def log(self, record: dict[str, Any]) -> None:
@@ -146,9 +143,10 @@ class DistributedRun(Run):
             super().log(record)
 
 
-def train_distributed(config: TrainConfig, world: World, resume: bool = False) -> DistributedRun:
+def train_distributed(config: TrainConfig, world: World, resume: bool = False,
+                      redundant_slots: int | None = None) -> DistributedRun:
     """`k3.train.loop.train` on this rank of ``world``: every rank calls it."""
-    run = DistributedRun(config, world)
+    run = DistributedRun(config, world, redundant_slots)
     run.prepare(resume)
     threads = torch.get_num_threads()
     try:

@@ -258,7 +258,10 @@ class Run:
         """Load ``checkpoint`` (weights, tokenizer, step) and the validation data for `evaluate`, writing
         nothing (``k3 eval``: any checkpoint of a run, the run's files left as they are)."""
         self._check_config(checkpoint)
-        model_ckpt.load_weights(checkpoint, self.model)
+        if sharded.is_sharded(checkpoint):
+            sharded.load(checkpoint, self.model, [])
+        else:
+            model_ckpt.load_weights(checkpoint, self.model)
         self.tokenizer = model_ckpt.read_tokenizer(checkpoint)
         self.step_index = int(ckpt.load_state(checkpoint).get("step", 0))
         self.val_tokens = tokenize_documents(self.tokenizer, _documents(self.config)[1])

@@ -31,13 +31,14 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from k3.config import K3Config
-from k3.model.checkpoint import (LATEST, atomic_directory, latest_checkpoint, load_weights, read_config, verified,
-                                 write_manifest, write_model, write_text, writing)
+from k3.dist.fsdp import local_rows
+from k3.model.checkpoint import (LATEST, SHARDED, atomic_directory, latest_checkpoint, load_weights, read_config,
+                                 verified, write_manifest, write_model, write_text, writing)
 from k3.model.lm import K3ForCausalLM
 from k3.train import checkpoint as ckpt
 from k3.train.optim import OptimConfig, build_optimizers
 
-SHARDS = "dcp"
+SHARDS = SHARDED
 METADATA = ".metadata"
 
 
@@ -60,38 +61,51 @@ def verify_any(path: Path) -> None:
 
 @dataclass
 class ExpertShards:
-    """Expert-parallel experts (`k3.dist.expert`): plain tensors holding rows ``r·E/ep …`` of the full expert tensors
-    on ep rank r. Saved as DTensors over the ``ep`` mesh, so the checkpoint holds the full ``[E, …]`` tensors."""
+    """Expert-parallel experts (`k3.dist.expert`): ep rank r holds rows ``r·E/ep …`` of the full expert tensors, FSDP-
+    sharded over the ranks sharing them. Saved gathered per ep rank as DTensors over the ``ep`` mesh, so the checkpoint
+    holds the full ``[E, …]`` tensors whatever the layout."""
 
-    mesh: DeviceMesh
-    names: set[str]  # the parameters' names (their optimiser states follow them)
+    mesh: DeviceMesh  # the ep mesh
+    names: list[str]  # the parameters' names, in one order on every rank (each is gathered by a collective)
+
+    def whole(self, t: Tensor) -> Tensor:
+        """This ep rank's experts (gathered from their FSDP shards) as its piece of the full tensor."""
+        local = t.full_tensor() if isinstance(t, DTensor) else t.detach()
+        return DTensor.from_local(local, self.mesh, [Shard(0)], run_check=False)
 
 
-def _tensors(model: nn.Module, optimizers: list[torch.optim.Optimizer],
-             experts: ExpertShards | None = None) -> dict[str, Any]:
-    """What DCP saves and loads: the model's and optimisers' state dicts (FSDP2 DTensors as they are), expert shards
-    as DTensors over the ``ep`` mesh."""
+def _state(model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> dict[str, Any]:
     model_state, optim_state = get_state_dict(model, optimizers)
-    if experts is not None:
-        def full(t: Tensor) -> Tensor:
-            return DTensor.from_local(t, experts.mesh, [Shard(0)], run_check=False) if t.dim() else t
-
-        for name in experts.names:
-            model_state[name] = full(model_state[name])
-            entry = optim_state.get("state", {}).get(name, {})
-            entry.update({key: full(v) for key, v in entry.items() if isinstance(v, Tensor)})
     return {"model": model_state, "optim": optim_state}
 
 
-def _local(tensors: dict[str, Any]) -> dict[str, Any]:
-    """`_tensors`' expert DTensors back to this rank's plain shards (DCP loaded into their storage)."""
-    def local(t: Any) -> Any:
-        return t.to_local() if isinstance(t, DTensor) and t.device_mesh.mesh_dim_names == ("ep",) else t
-
-    model_state = {k: local(v) for k, v in tensors["model"].items()}
-    optim = dict(tensors["optim"])
-    optim["state"] = {k: {n: local(v) for n, v in entry.items()} for k, entry in optim.get("state", {}).items()}
+def _experts(state: dict[str, Any], experts: ExpertShards, fn) -> dict[str, Any]:  # noqa: ANN001
+    """A copy of `_state`'s dicts with ``fn(original)`` for every expert tensor (weights and optimiser moments)."""
+    model_state = dict(state["model"])
+    optim = dict(state["optim"])
+    optim["state"] = {name: dict(entry) for name, entry in optim.get("state", {}).items()}
+    for name in experts.names:
+        model_state[name] = fn(state["model"][name])
+        entry = optim["state"].get(name, {})
+        entry.update({key: fn(v) for key, v in entry.items() if isinstance(v, Tensor) and v.dim()})
     return {"model": model_state, "optim": optim}
+
+
+@torch.no_grad()
+def _copy_back(loaded: dict[str, Any], state: dict[str, Any], experts: ExpertShards) -> None:
+    """Write the loaded whole expert tensors into this rank's shards of them (in ``state``: the model's own)."""
+    def back(original: Tensor, whole: Tensor) -> None:
+        piece = whole.to_local()
+        if isinstance(original, DTensor):
+            original.to_local().copy_(piece[local_rows(original)])
+        else:
+            original.copy_(piece)
+
+    for name in experts.names:
+        back(state["model"][name], loaded["model"][name])
+        for key, value in state["optim"].get("state", {}).get(name, {}).items():
+            if isinstance(value, Tensor) and value.dim():
+                back(value, loaded["optim"]["state"][name][key])
 
 
 def save(out: Path, step: int, model: nn.Module, optimizers: list[torch.optim.Optimizer], config: K3Config,
@@ -106,8 +120,10 @@ def save(out: Path, step: int, model: nn.Module, optimizers: list[torch.optim.Op
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier()
-    dcp.save(_tensors(model, optimizers, experts), checkpoint_id=str(tmp / SHARDS),
-             no_dist=not dist.is_initialized())
+    state_dicts = _state(model, optimizers)
+    if experts is not None:
+        state_dicts = _experts(state_dicts, experts, experts.whole)
+    dcp.save(state_dicts, checkpoint_id=str(tmp / SHARDS), no_dist=not dist.is_initialized())
     if main:
         _write_small_files(tmp, config, train, tokenizer_dir, state)
         write_manifest(tmp)
@@ -141,7 +157,8 @@ def load(path: Path, model: nn.Module, optimizers: list[torch.optim.Optimizer],
     """Load the model's and optimisers' tensors of sharded checkpoint ``path`` into this process's shards
     (resharding from whatever layout saved them; a plain, unsharded model in a single process too)."""
     verify_sharded(path)
-    tensors = _tensors(model, optimizers, experts)
+    state = _state(model, optimizers)
+    tensors = state if experts is None else _experts(state, experts, experts.whole)
     saved = dcp.FileSystemReader(str(path / SHARDS)).read_metadata().state_dict_metadata
     missing = sorted(f"model.{name}" for name in tensors["model"] if f"model.{name}" not in saved)
     if missing:
@@ -151,8 +168,9 @@ def load(path: Path, model: nn.Module, optimizers: list[torch.optim.Optimizer],
                  no_dist=not dist.is_initialized())
     except Exception as err:  # DCP raises CheckpointException (or RuntimeError) for mismatched tensors
         raise ValueError(f"{path / SHARDS}: cannot load into this model ({type(err).__name__}: {err})") from err
-    tensors = _local(tensors)
-    set_state_dict(model, optimizers, model_state_dict=tensors["model"], optim_state_dict=tensors["optim"])
+    if experts is not None:
+        _copy_back(tensors, state, experts)
+    set_state_dict(model, optimizers, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
 def resolve(path: Path) -> Path:
@@ -188,6 +206,6 @@ def convert(source: Path, out: Path) -> Path:
         if sharded:
             write_model(tmp, model, config)
         else:
-            dcp.save(_tensors(model, optimizers), checkpoint_id=str(tmp / SHARDS), no_dist=not dist.is_initialized())
+            dcp.save(_state(model, optimizers), checkpoint_id=str(tmp / SHARDS), no_dist=not dist.is_initialized())
         _write_small_files(tmp, config, train, source, state)
     return out
