@@ -1,7 +1,7 @@
 """FSDP2 for K3 (issue 17, item 2): ``fully_shard`` per decoder layer, routers kept in fp32, gradients summed.
 
 Each `DecoderLayer` is one FSDP unit (its parameters all-gathered before its forward and backward, resharded after,
-its gradients reduce-scattered), the embedding, final norm, head and vision encoder form the root unit. Under the
+its gradients reduce-scattered), the vision encoder another, the embedding, final norm and head form the root unit. Under the
 bf16 mixed-precision policy parameters compute in bf16 and gradients reduce in fp32, except the routers: each is its
 own unit with an fp32 policy, since routing never drops below fp32 (SPEC §9).
 
@@ -38,6 +38,8 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, bf16: bool = False,
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     for module in experts[1] if experts is not None else ():
         fully_shard(module, mesh=experts[0], mp_policy=policy)
+    if getattr(model, "vision", None) is not None:  # its own unit: a text-only step never gathers it
+        fully_shard(model.vision, mesh=mesh, mp_policy=policy)
     for layer in model.layers:
         for module in layer.modules():
             if isinstance(module, Router):

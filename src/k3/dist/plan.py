@@ -122,16 +122,20 @@ def fsdp_bytes(config: K3Config, layout: ParallelLayout, param_bytes: int = 2,
                grad_bytes: int = FP32) -> dict[str, int]:
     """FSDP2 bytes received per rank per step: ``all_gather`` of every unit's ``param_bytes`` weights in forward
     and again in backward (``reshard_after_forward``; a full recompute runs inside the backward gather, adding
-    none), ``reduce_scatter`` of the ``grad_bytes`` gradients once, and with
+    none) — except the root unit (embedding, LM head, final norm), which FSDP2 keeps gathered from forward to
+    backward —, ``reduce_scatter`` of the ``grad_bytes`` gradients once, and with
     ``dp_replicate > 1`` the HSDP ``all_reduce`` of the gradient shard across replicas. Non-expert units gather
-    over ``dp_shard × ep × cp`` ranks, the ``ep`` group's experts over ``dp_shard × cp``."""
-    split = parameter_split(config)
+    over ``dp_shard × ep × cp`` ranks, the ``ep`` group's experts over ``dp_shard × cp``. The vision encoder is its
+    own unit, counted as used (a text-only run never gathers it: plan with ``vision.enabled = false``)."""
+    split, units = parameter_split(config), fsdp_units(config, layout)
     dense, experts = split["muon"] + split["adamw"], split["experts"] // layout.ep
     n_dense, n_expert = layout.dp_shard * layout.ep * layout.cp, layout.dp_shard * layout.cp
-    gathered = _ring(dense * param_bytes, n_dense) + _ring(experts * param_bytes, n_expert)
+    root = units["embedding"] + units["lm head"]
+    gathered = 2 * (_ring(dense * param_bytes, n_dense) + _ring(experts * param_bytes, n_expert)) \
+        - _ring(root * param_bytes, n_dense)
     r = layout.dp_replicate
     shard = sum(shard_elements(config, layout).values()) * grad_bytes
-    return {"all_gather": 2 * gathered,
+    return {"all_gather": gathered,
             "reduce_scatter": _ring(dense * grad_bytes, n_dense) + _ring(experts * grad_bytes, n_expert),
             "replicate_all_reduce": 2 * shard * (r - 1) // r}
 
