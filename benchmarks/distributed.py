@@ -47,14 +47,15 @@ from k3.train.loop import Run, TrainConfig  # noqa: E402
 from k3.train.optim import OptimConfig  # noqa: E402
 
 PRESET = "mini"
-LAYOUTS = [  # (world, layout flags)
-    (1, {}),
-    (2, {"dp_shard": 2}),
-    (2, {"cp": 2}),
-    (2, {"ep": 2}),
-    (4, {"dp_shard": 4}),
-    (4, {"dp_shard": 2, "cp": 2}),
-    (4, {"dp_shard": 2, "ep": 2}),
+LAYOUTS = [  # (world, layout flags, MoonEP redundant slots per rank: None = E/ep, 0 = plain EP)
+    (1, {}, None),
+    (2, {"dp_shard": 2}, None),
+    (2, {"cp": 2}, None),
+    (2, {"ep": 2}, 0),
+    (2, {"ep": 2}, None),
+    (4, {"dp_shard": 4}, None),
+    (4, {"dp_shard": 2, "cp": 2}, None),
+    (4, {"dp_shard": 2, "ep": 2}, None),
 ]
 PARTS = ("fsdp", "muon", "context", "expert")
 
@@ -80,7 +81,8 @@ def _measure(run: Run, args: argparse.Namespace) -> dict:
             "calls": {p: dict(c) for p, c in ledger.calls.items()}}
 
 
-def _worker(rank: int, world: int, port: int, layout: dict, config: dict, args: argparse.Namespace, out: str) -> None:
+def _worker(rank: int, world: int, port: int, layout: dict, slots: int | None, config: dict, args: argparse.Namespace,
+            out: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     from k3.dist.mesh import init_world
@@ -89,7 +91,7 @@ def _worker(rank: int, world: int, port: int, layout: dict, config: dict, args: 
     torch.set_num_threads(1)
     w = init_world(ParallelLayout.for_world(world, **layout), timeout=timedelta(seconds=300))
     try:
-        run = DistributedRun(TrainConfig.from_dict(config), w)
+        run = DistributedRun(TrainConfig.from_dict(config), w, slots)
         run.prepare(False)
         result = _measure(run, args)
         everyone = [None] * world
@@ -145,8 +147,9 @@ def main() -> None:
     seed.prepare(False)  # trains the tokenizer once; every layout reuses it
     rows = []
     try:
-        for world, flags in LAYOUTS:
+        for world, flags, slots in LAYOUTS:
             layout = ParallelLayout.for_world(world, **flags)
+            name = layout.describe() + ("" if layout.ep == 1 else ", plain EP" if slots == 0 else ", MoonEP")
             out = base / f"run-{len(rows)}"
             out.mkdir()
             shutil.copytree(tokenizer / "tokenizer", out / "tokenizer")
@@ -154,17 +157,17 @@ def main() -> None:
             if world == 1:
                 mp.spawn(_single, args=(config, args, result), nprocs=1)
             else:
-                mp.spawn(_worker, args=(world, _port(), flags, config, args, result), nprocs=world)
+                mp.spawn(_worker, args=(world, _port(), flags, slots, config, args, result), nprocs=world)
             r = torch.load(result)
             want = predicted(layout, args)
-            row = {"world": world, "layout": layout.describe(), "step_s": r["step_s"],
+            row = {"world": world, "layout": name, "step_s": r["step_s"],
                    "tokens_per_s": args.tokens / r["step_s"], "loss_step3": r["loss_step3"]}
             for part in PARTS:
                 row[f"{part}_kib"] = r["received"][part] / 1024
                 row[f"{part}_plan_kib"] = want[part] / 1024
                 row[f"{part}_ratio"] = r["received"][part] / want[part] if want[part] else None
             rows.append(row)
-            print(f"{layout.describe()}: {row['tokens_per_s']:.0f} tokens/s", flush=True)
+            print(f"{name}: {row['tokens_per_s']:.0f} tokens/s", flush=True)
     finally:
         shutil.rmtree(base, ignore_errors=True)
     single = rows[0]["tokens_per_s"]

@@ -300,6 +300,29 @@ def test_kill_9_during_a_save_keeps_the_previous_checkpoint(victim, corpus, tmp_
     assert resumed.step_index == 1
 
 
+def test_k3_train_nproc_runs_torchrun_end_to_end(corpus, tmp_path):
+    """``k3 train --nproc 2`` starts torchrun; rank 0 alone writes metrics and prints; the sharded checkpoint is read
+    by ``k3 eval``, which gives the validation loss the run printed."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "k3", "train", "--preset", "tiny", "--nproc", "2", "--cp", "2", "--steps", "2",
+               "--tokens-per-step", "512", "--curriculum", "0:32", "--data", str(corpus), "--out", str(out),
+               "--eval-every", "2", "--ckpt-every", "2", "--no-progress"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    printed = [line for line in result.stdout.splitlines() if line.startswith("step 2/2: validation loss")]
+    assert len(printed) == 1, result.stdout  # one rank prints
+    assert (out / "step-0000002" / "dcp" / ".metadata").is_file()
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    evaluated = subprocess.run([sys.executable, "-m", "k3", "eval", "--ckpt", str(out)], capture_output=True,
+                               text=True, timeout=300)
+    assert evaluated.returncode == 0, evaluated.stderr[-2000:]
+    assert f"{json.loads(evaluated.stdout)['val_loss']:.4f}" in printed[0]
+
+
 def test_layout_refusals_name_the_flag(corpus, tmp_path, capsys):
     from k3.cli import main
     from k3.train.distributed import check_layout

@@ -88,9 +88,8 @@ def _curriculum(text: str) -> list[list[float]]:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from k3.dist.layout import ParallelLayout
-    from k3.train.distributed import check_layout, launch
-    from k3.train.loop import TrainConfig, train
+    from k3.train.distributed import train_command
+    from k3.train.loop import TrainConfig
     from k3.train.optim import OptimConfig
 
     chosen = {"qk_clip": args.qk_clip} if args.qk_clip is not None else {}
@@ -105,39 +104,14 @@ def _train(args: argparse.Namespace) -> int:
         threads=args.threads, qat=args.qat, multimodal=args.multimodal,
         data_limit_bytes=None if args.data_limit_mb is None else int(args.data_limit_mb * 2**20),
     )
-    world = int(os.environ.get("WORLD_SIZE", args.nproc or 1))  # torchrun sets WORLD_SIZE on every rank
-    if args.nproc is not None and args.nproc != world:
-        raise ValueError(f"--nproc {args.nproc} disagrees with WORLD_SIZE={world} set by the launcher")
-    layout = ParallelLayout.for_world(world, args.dp_replicate, args.dp_shard, args.ep, args.cp)
-    check_layout(config, layout)  # before any process group or child process exists
-    if layout.distributed and "WORLD_SIZE" not in os.environ:
-        return launch(_without_flag(args.argv, "--nproc"), world)
-    if layout.distributed:
-        from k3.dist.mesh import init_world
-        from k3.train.distributed import train_distributed
-
-        run = train_distributed(config, init_world(layout), resume=args.resume, redundant_slots=args.ep_slots)
-        if not run.writes:
-            return 0
-    else:
-        run = train(config, resume=args.resume)
+    run = train_command(config, args.resume, args.argv, args.nproc, args.ep_slots, dp_replicate=args.dp_replicate,
+                        dp_shard=args.dp_shard, ep=args.ep, cp=args.cp)
+    if isinstance(run, int):  # the launcher (torchrun's status) or a rank other than 0
+        return run
     loss = run.last_val_loss if run.last_val_loss is not None else run.evaluate()
     print(f"step {run.step_index}/{config.steps}: validation loss {loss:.4f} (perplexity {math.exp(loss):.2f})")
     print(f"metrics: {run.metrics_path}  plot: {run.out / 'curves.png'}")
     return 0
-
-
-def _without_flag(argv: list[str], flag: str) -> list[str]:
-    """``argv`` without ``flag`` and its value (``--flag V`` or ``--flag=V``)."""
-    out, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg == flag:
-            skip = True
-        elif not arg.startswith(flag + "="):
-            out.append(arg)
-    return out
 
 
 def _convert_ckpt(args: argparse.Namespace) -> int:
@@ -170,9 +144,9 @@ def _train_draft(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from k3.train.loop import Run, TrainConfig
-    from k3.model.checkpoint import resolve
     from k3.train.checkpoint import read_train
+    from k3.train.loop import Run, TrainConfig
+    from k3.train.sharded import resolve  # a training checkpoint of either format
 
     path = resolve(Path(args.ckpt))
     config = TrainConfig.from_dict(read_train(path))

@@ -83,7 +83,6 @@ def init_world(layout: ParallelLayout, timeout: timedelta = DEFAULT_TIMEOUT) -> 
         raise ValueError(f"the layout ({layout.describe()}) needs {layout.world} processes but WORLD_SIZE is {world}")
     device = device_for(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
-        backend = "gloo" if device.type == "cpu" else dist.get_default_backend_for_device(device)
-        dist.init_process_group(backend, timeout=timeout)
+        dist.init_process_group(dist.get_default_backend_for_device(device), timeout=timeout)
     mesh = init_device_mesh(device.type, layout.shape, mesh_dim_names=MESH_DIMS)
     return World(layout, mesh, device)

@@ -33,7 +33,7 @@ from k3.dist.layout import ParallelLayout
 from k3.dist.mesh import World
 from k3.train import sharded
 from k3.train.data import masked_loss_sum
-from k3.train.loop import Run, TrainConfig, _train_steps
+from k3.train.loop import Run, TrainConfig, _train_steps, train
 
 
 def check_layout(config: TrainConfig, layout: ParallelLayout) -> ParallelLayout:
@@ -53,9 +53,9 @@ class DistributedRun(Run):
         """``redundant_slots`` (``ep`` > 1): MoonEP's redundant expert slots per rank; None: E/ep (every plan
         feasible), 0: plain expert parallelism."""
         check_layout(config, world.layout)
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", world.layout.world))
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world.layout.world))
         config = dataclasses.replace(config, progress=config.progress and world.rank == 0,
-                                     threads=config.threads or threads_per_rank(local))
+                                     threads=config.threads or threads_per_rank(local_world))
         super().__init__(config)
         self.world, self.device = world, world.device
         self.writes = world.rank == 0
@@ -121,14 +121,11 @@ class DistributedRun(Run):
         return clip_grad_norm(list(self.model.parameters()), max_norm, extra)
 
     def save(self) -> Path:
-        state = {"schedulers": [s.state_dict() for s in self.schedulers], "loader": self.train_loader.state_dict(),
-                 "loader_stage": self.stage, "rng": {"torch": torch.get_rng_state()}, "step": self.step_index}
         return sharded.save(self.out, self.step_index, self.model, self.optimizers, self.model_config,
-                            self.config.to_dict(), self.tok_dir, state, self._expert_shards())
+                            self.config.to_dict(), self.tok_dir, self.train_state(), self._expert_shards())
 
-    def _restore(self, path: Path) -> None:
-        self.expert_shards = self._expert_shards()
-        super()._restore(path)
+    def _load_sharded(self, path: Path) -> None:
+        sharded.load(path, self.model, self.optimizers, self._expert_shards())
 
     def _expert_shards(self) -> sharded.ExpertShards | None:
         """Where this rank's expert-parallel experts sit in the full expert tensors (for DCP), if any."""
@@ -154,6 +151,39 @@ def train_distributed(config: TrainConfig, world: World, resume: bool = False,
     finally:
         torch.set_num_threads(threads)
     return run
+
+
+def train_command(config: TrainConfig, resume: bool, argv: list[str], nproc: int | None = None,
+                  redundant_slots: int | None = None, **layout: int | None) -> Run | int:
+    """``k3 train``: the layout (``dp_replicate``, ``dp_shard``, ``ep``, ``cp``) is checked before anything starts;
+    then one process trains alone (`k3.train.loop.train`), or under torchrun (``WORLD_SIZE`` set) this process trains
+    its rank, or with ``nproc`` > 1 it launches torchrun on ``argv``. Returns the run whose result this process
+    reports, or an exit status (the launcher's; 0 on ranks other than 0)."""
+    world = int(os.environ.get("WORLD_SIZE", nproc or 1))  # torchrun sets WORLD_SIZE on every rank
+    if nproc is not None and nproc != world:
+        raise ValueError(f"--nproc {nproc} disagrees with WORLD_SIZE={world} set by the launcher")
+    parallel = check_layout(config, ParallelLayout.for_world(world, **layout))
+    if not parallel.distributed:
+        return train(config, resume=resume)
+    if "WORLD_SIZE" not in os.environ:
+        return launch(_without_flag(argv, "--nproc"), world)
+    from k3.dist.mesh import init_world
+
+    run = train_distributed(config, init_world(parallel), resume, redundant_slots)
+    return run if run.writes else 0
+
+
+def _without_flag(argv: list[str], flag: str) -> list[str]:
+    """``argv`` without ``flag`` and its value (``--flag V`` or ``--flag=V``)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == flag:
+            skip = True
+        elif not arg.startswith(flag + "="):
+            out.append(arg)
+    return out
 
 
 def threads_per_rank(local_world: int) -> int:

@@ -295,7 +295,7 @@ class Run:
         self._check_config(path)
         state = ckpt.load_state(path)
         if sharded.is_sharded(path):
-            sharded.load(path, self.model, self.optimizers, getattr(self, "expert_shards", None))
+            self._load_sharded(path)
         else:
             self._load_single(path, state)
         try:
@@ -310,6 +310,10 @@ class Run:
             raise ValueError(f"{ckpt.state_file(path)}: does not match this run ({type(err).__name__}: {err})") from err
         if self.writes:
             self._truncate_metrics()
+
+    def _load_sharded(self, path: Path) -> None:
+        """Weights and optimiser states from a sharded checkpoint (written by a distributed run)."""
+        sharded.load(path, self.model, self.optimizers)
 
     def _load_single(self, path: Path, state: dict[str, Any]) -> None:
         """Weights and optimiser states from a single-process checkpoint."""
@@ -336,15 +340,13 @@ class Run:
                 kept.append(line)
         self.metrics_path.write_text("".join(line + "\n" for line in kept))
 
+    def train_state(self) -> dict[str, Any]:
+        """What a checkpoint keeps beside the model and optimiser tensors: schedulers, loader position, RNG, step."""
+        return {"schedulers": [s.state_dict() for s in self.schedulers], "loader": self.train_loader.state_dict(),
+                "loader_stage": self.stage, "rng": _rng_state(), "step": self.step_index}
+
     def save(self) -> Path:
-        state = {
-            "optimizers": [o.state_dict() for o in self.optimizers],
-            "schedulers": [s.state_dict() for s in self.schedulers],
-            "loader": self.train_loader.state_dict(),
-            "loader_stage": self.stage,
-            "rng": _rng_state(),
-            "step": self.step_index,
-        }
+        state = {"optimizers": [o.state_dict() for o in self.optimizers], **self.train_state()}
         return ckpt.save_checkpoint(self.out, self.step_index, self.model, self.model_config,
                                     self.config.to_dict(), self.tok_dir, state)
 

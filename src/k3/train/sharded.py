@@ -32,8 +32,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from k3.config import K3Config
 from k3.dist.fsdp import local_rows
-from k3.model.checkpoint import (LATEST, SHARDED, atomic_directory, latest_checkpoint, load_weights, read_config,
-                                 verified, write_manifest, write_model, write_text, writing)
+from k3.model.checkpoint import (LATEST, MANIFEST, SHARDED, atomic_directory, latest_checkpoint, load_weights,
+                                 read_config, verified, write_manifest, write_model, write_text, writing)
 from k3.model.lm import K3ForCausalLM
 from k3.train import checkpoint as ckpt
 from k3.train.optim import OptimConfig, build_optimizers
@@ -52,6 +52,8 @@ def verify_sharded(path: Path) -> None:
         verified(path, name)
     if not (path / SHARDS / METADATA).is_file():
         raise ValueError(f"{path / SHARDS}: DCP metadata {METADATA} is missing (an incomplete save)")
+    for name in sorted(p.name for p in (path / SHARDS).iterdir() if p.name != MANIFEST):
+        verified(path / SHARDS, name)  # every shard file, against dcp/checksums.json
 
 
 def verify_any(path: Path) -> None:
@@ -126,6 +128,7 @@ def save(out: Path, step: int, model: nn.Module, optimizers: list[torch.optim.Op
     dcp.save(state_dicts, checkpoint_id=str(tmp / SHARDS), no_dist=not dist.is_initialized())
     if main:
         _write_small_files(tmp, config, train, tokenizer_dir, state)
+        write_manifest(tmp / SHARDS)  # every rank's shards are complete once dcp.save has returned
         write_manifest(tmp)
         if final.exists():
             shutil.rmtree(final)
@@ -207,5 +210,6 @@ def convert(source: Path, out: Path) -> Path:
             write_model(tmp, model, config)
         else:
             dcp.save(_state(model, optimizers), checkpoint_id=str(tmp / SHARDS), no_dist=not dist.is_initialized())
+            write_manifest(tmp / SHARDS)
         _write_small_files(tmp, config, train, source, state)
     return out
