@@ -39,6 +39,15 @@ def matmul_gflops(dtype: torch.dtype = torch.float32, n: int = 2048) -> float:
     return 2 * n**3 / seconds / 1e9
 
 
+def copy_gbps(mib: int = 256) -> float:
+    """The machine's measured memory bandwidth (GB/s) for a large fp32 copy: bytes read plus bytes written per
+    second — what a step that streams its weights and states through memory can reach at best."""
+    src = torch.randn(mib * 2**20 // 4)
+    dst = torch.empty_like(src)
+    seconds, _ = median_seconds(lambda: dst.copy_(src), min_repeats=5, budget_s=1.0)
+    return 2 * src.numel() * 4 / seconds / 1e9
+
+
 def reset_peak_rss() -> None:
     """Reset this process's resident-set high-water mark to its current size (Linux ≥ 4.0)."""
     Path("/proc/self/clear_refs").write_text("5")

@@ -6,6 +6,10 @@
 2. The `tiny` and `small` presets: training tokens/s and decode tokens/s at batch 1 and 8, contexts 512
    and 4096, plus an all-KDA variant of `small` whose decode time per token should not grow with context.
 
+Every k3 decode figure comes with its roofline (`k3.model.roofline`): the bytes the step must read (weights, the
+selected experts' weights, KDA states, MLA caches) over the measured copy bandwidth, and its FLOPs over the measured
+matmul rate; "% of roof" is that limit's step time over the measured step time.
+
     python benchmarks/model.py            # ~10 min on 2 cores
     python benchmarks/model.py --quick    # fewer contexts, for a smoke run
 """
@@ -22,10 +26,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from harness import machine, median_seconds, table, write_results  # noqa: E402
+from harness import copy_gbps, machine, matmul_gflops, median_seconds, table, write_results  # noqa: E402
 
 from k3 import K3ForCausalLM  # noqa: E402
 from k3.config import count_parameters, preset  # noqa: E402
+from k3.model.roofline import decode_cost  # noqa: E402
 
 
 def train_tokens_per_s(step, batch: int, seq: int) -> float:
@@ -103,6 +108,15 @@ def main() -> None:
     args = parser.parse_args()
     contexts = [512] if args.quick else [512, 4096]
     rows: list[dict] = []
+    bandwidth, flops_rate = copy_gbps() * 1e9, matmul_gflops() * 1e9
+
+    def roof(row: dict, config) -> dict:  # noqa: ANN001
+        """``row`` with its roofline: the limit's step time, the roof it is under, the fraction reached."""
+        cost = decode_cost(config, row["batch"], row["context"])
+        limit = cost.seconds(bandwidth, flops_rate)
+        row.update(roof_ms=1e3 * limit, bound=cost.bound(bandwidth, flops_rate), step_ms=1e3 * row["batch"]
+                   / row["tokens_per_s"], roof_fraction=limit * row["tokens_per_s"] / row["batch"])
+        return row
 
     # 1. identical weights, transformers vs k3
     hf, ours = kimi_linear_pair()
@@ -116,8 +130,8 @@ def main() -> None:
     hf.eval(), ours.eval()
     for context in contexts:
         for name, fn in (("transformers", hf_decode_tokens_per_s), ("kimi-k3", k3_decode_tokens_per_s)):
-            rows.append({"model": pair, "impl": name, "task": "decode", "batch": 1,
-                         "context": context, "tokens_per_s": fn(hf if name == "transformers" else ours, 1, context)})
+            rows.append(roof({"model": pair, "impl": name, "task": "decode", "batch": 1, "context": context,
+                              "tokens_per_s": fn(hf if name == "transformers" else ours, 1, context)}, ours.config))
             print(json.dumps(rows[-1]), flush=True)
     del hf, ours
 
@@ -138,8 +152,9 @@ def main() -> None:
         model.eval()
         for batch in (1, 8):
             for context in contexts:
-                rows.append({"model": name, "impl": "kimi-k3", "task": "decode", "batch": batch, "context": context,
-                             "tokens_per_s": k3_decode_tokens_per_s(model, batch, context)})
+                rows.append(roof({"model": name, "impl": "kimi-k3", "task": "decode", "batch": batch,
+                                  "context": context, "tokens_per_s": k3_decode_tokens_per_s(model, batch, context)},
+                                 config))
                 print(json.dumps(rows[-1]), flush=True)
 
     def find(model, impl, task, context=512, batch=1):
@@ -156,10 +171,13 @@ def main() -> None:
         and find("small-all-kda", "kimi-k3", "decode", 512) / find("small-all-kda", "kimi-k3", "decode", contexts[-1]),
     }
     print()
+    print(f"roofs: copy bandwidth {bandwidth / 1e9:.1f} GB/s, fp32 matmul {flops_rate / 1e9:.1f} GFLOP/s")
     print(table(rows, [("model", "model"), ("impl", "implementation"), ("task", "task"), ("batch", "batch"),
-                       ("context", "context"), ("tokens_per_s", "tokens/s")]))
+                       ("context", "context"), ("tokens_per_s", "tokens/s"), ("step_ms", "ms / step"),
+                       ("roof_ms", "roofline ms"), ("bound", "bound"), ("roof_fraction", "of roof")]))
     print(json.dumps(summary, indent=2))
-    path = write_results("model", {"machine": machine(), "rows": rows, "summary": summary})
+    path = write_results("model", {"machine": machine(), "copy_gbps": bandwidth / 1e9,
+                                   "matmul_gflops": flops_rate / 1e9, "rows": rows, "summary": summary})
     print(f"wrote {path}")
 
 
