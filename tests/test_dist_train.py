@@ -347,4 +347,7 @@ def test_layout_refusals_name_the_flag(corpus, tmp_path, capsys):
     started = time.monotonic()
     assert main(["train", "--preset", "tiny", "--nproc", "3", "--cp", "2", "--out", str(tmp_path / "y")]) == 2
     assert "--cp" in capsys.readouterr().err
+    for flags in (["--nproc", "2", "--ep", "2", "--ep-slots", "3"], ["--nproc", "2", "--ep-slots", "1"]):
+        assert main(["train", "--preset", "tiny", "--curriculum", "0:32", "--out", str(tmp_path / "y"), *flags]) == 2
+        assert "--ep-slots" in capsys.readouterr().err
     assert not (tmp_path / "y").exists() and not dist.is_initialized() and time.monotonic() - started < 10

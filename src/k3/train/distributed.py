@@ -163,6 +163,11 @@ def train_command(config: TrainConfig, resume: bool, argv: list[str], nproc: int
     if nproc is not None and nproc != world:
         raise ValueError(f"--nproc {nproc} disagrees with WORLD_SIZE={world} set by the launcher")
     parallel = check_layout(config, ParallelLayout.for_world(world, **layout))
+    if redundant_slots is not None:
+        local = config.model_config().moe.num_experts // parallel.ep
+        if parallel.ep == 1 or redundant_slots > local:
+            raise ValueError(f"--ep-slots {redundant_slots} is invalid: it needs --ep > 1 and may be at most E/ep = "
+                             f"{local} (0: plain expert parallelism)")
     if not parallel.distributed:
         return train(config, resume=resume)
     if "WORLD_SIZE" not in os.environ:
