@@ -6,6 +6,9 @@
 2. The `tiny` and `small` presets: training tokens/s and decode tokens/s at batch 1 and 8, contexts 512
    and 4096, plus an all-KDA variant of `small` whose decode time per token should not grow with context.
 
+"kimi-k3 compiled" rows decode with `k3.model.compiled.CompiledDecode` (``k3 generate --compile``); the
+first call's time (the compilation, or a load from inductor's disk cache) is reported beside them.
+
 Every k3 decode figure comes with its roofline (`k3.model.roofline`): the bytes the step must read (weights, the
 selected experts' weights, KDA states, MLA caches) over the measured copy bandwidth, and its FLOPs over the measured
 matmul rate; "% of roof" is that limit's step time over the measured step time.
@@ -59,6 +62,24 @@ def k3_decode_tokens_per_s(model: K3ForCausalLM, batch: int, context: int, steps
             logits, state = model(token, state=state)
             token = logits[:, -1:].argmax(-1)
         return batch * steps / (time.perf_counter() - start)
+
+
+def k3_compiled_decode(model: K3ForCausalLM, batch: int, context: int, steps: int = 32) -> tuple[float, float]:
+    """`k3_decode_tokens_per_s` with the compiled step (`k3.model.compiled`): (tokens/s, first-call seconds)."""
+    from k3.model.compiled import CompiledDecode
+
+    compiled = CompiledDecode(model)
+    vocab = model.config.vocab_size
+    with torch.no_grad():
+        _, state = model(torch.randint(0, vocab, (batch, context)), state=model.new_state(batch))
+    token = torch.randint(0, vocab, (batch, 1))
+    _, state = compiled(token, state)  # compiles (or loads inductor's on-disk cache)
+    _, state = compiled(token, state)
+    start = time.perf_counter()
+    for _ in range(steps):
+        logits, state = compiled(token, state)
+        token = logits[:, -1:].argmax(-1)
+    return batch * steps / (time.perf_counter() - start), compiled.compile_seconds[batch]
 
 
 def kimi_linear_pair(vocab_size: int = 32000, pad_token_id: int | None = None):
@@ -133,6 +154,10 @@ def main() -> None:
             rows.append(roof({"model": pair, "impl": name, "task": "decode", "batch": 1, "context": context,
                               "tokens_per_s": fn(hf if name == "transformers" else ours, 1, context)}, ours.config))
             print(json.dumps(rows[-1]), flush=True)
+        tokens_per_s, compile_s = k3_compiled_decode(ours, 1, context)
+        rows.append(roof({"model": pair, "impl": "kimi-k3 compiled", "task": "decode", "batch": 1, "context": context,
+                          "tokens_per_s": tokens_per_s, "compile_s": compile_s}, ours.config))
+        print(json.dumps(rows[-1]), flush=True)
     del hf, ours
 
     # 2. k3 presets
@@ -156,6 +181,12 @@ def main() -> None:
                                   "context": context, "tokens_per_s": k3_decode_tokens_per_s(model, batch, context)},
                                  config))
                 print(json.dumps(rows[-1]), flush=True)
+                if name == "small":
+                    tokens_per_s, compile_s = k3_compiled_decode(model, batch, context)
+                    rows.append(roof({"model": name, "impl": "kimi-k3 compiled", "task": "decode", "batch": batch,
+                                      "context": context, "tokens_per_s": tokens_per_s, "compile_s": compile_s},
+                                     config))
+                    print(json.dumps(rows[-1]), flush=True)
 
     def find(model, impl, task, context=512, batch=1):
         return next(r["tokens_per_s"] for r in rows if (r["model"], r["impl"], r["task"], r["context"], r["batch"])
@@ -167,6 +198,8 @@ def main() -> None:
         "decode_speedup_vs_transformers": {c: find(pair, "kimi-k3", "decode", c) / find(pair, "transformers",
                                                                                       "decode", c)
                                            for c in contexts},
+        "compiled_decode_speedup_vs_transformers": {c: find(pair, "kimi-k3 compiled", "decode", c)
+                                                    / find(pair, "transformers", "decode", c) for c in contexts},
         "all_kda_decode_time_ratio_longest_vs_512": find("small-all-kda", "kimi-k3", "decode", contexts[-1])
         and find("small-all-kda", "kimi-k3", "decode", 512) / find("small-all-kda", "kimi-k3", "decode", contexts[-1]),
     }
@@ -174,7 +207,8 @@ def main() -> None:
     print(f"roofs: copy bandwidth {bandwidth / 1e9:.1f} GB/s, fp32 matmul {flops_rate / 1e9:.1f} GFLOP/s")
     print(table(rows, [("model", "model"), ("impl", "implementation"), ("task", "task"), ("batch", "batch"),
                        ("context", "context"), ("tokens_per_s", "tokens/s"), ("step_ms", "ms / step"),
-                       ("roof_ms", "roofline ms"), ("bound", "bound"), ("roof_fraction", "of roof")]))
+                       ("roof_ms", "roofline ms"), ("bound", "bound"), ("roof_fraction", "of roof"),
+                       ("compile_s", "first call s")]))
     print(json.dumps(summary, indent=2))
     path = write_results("model", {"machine": machine(), "copy_gbps": bandwidth / 1e9,
                                    "matmul_gflops": flops_rate / 1e9, "rows": rows, "summary": summary})

@@ -191,12 +191,19 @@ def _generate(args: argparse.Namespace) -> int:
 
     model, tokenizer = _load(args.ckpt)
     prompt = tokenizer.encode(args.prompt) or [tokenizer.bos_id]
+    decode = None
+    if args.compile:
+        from k3.model.compiled import CompiledDecode
+
+        decode = CompiledDecode(model)
     print(args.prompt, end="", flush=True)
     ids: list[int] = []
     for token in stream(model, prompt, args.max_tokens, args.temperature, args.top_p, args.top_k, args.seed,
-                        stop_ids=(tokenizer.eos_id,)):
+                        stop_ids=(tokenizer.eos_id,), decode=decode):
         ids.append(token)
     print(tokenizer.decode(ids))
+    if decode is not None and decode.compile_seconds:
+        print(f"k3: first compiled decode step {decode.compile_seconds[1]:.1f} s", file=sys.stderr)
     return 0
 
 
@@ -516,6 +523,8 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--top-p", type=float, default=0.95)
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int)
+    gen.add_argument("--compile", action="store_true", help="decode with a torch.compile'd step (inductor; compiled "
+                     "once, cached on disk; the prompt's prefill stays eager)")
     gen.set_defaults(run=_generate)
     for name, help_, run in (("serve", "an OpenAI-compatible HTTP server for a checkpoint", _serve),
                              ("chat", "chat with a checkpoint in the terminal", _chat)):

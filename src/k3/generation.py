@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor
@@ -58,8 +58,9 @@ def sample_next(logits: Tensor, temperature: float = 1.0, top_p: float = 1.0, to
 @torch.no_grad()
 def stream(model: K3ForCausalLM, prompt: list[int], max_tokens: int, temperature: float = 1.0,
            top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
-           stop_ids: tuple[int, ...] = ()) -> Iterator[int]:
-    """Yield up to ``max_tokens`` sampled token ids after ``prompt`` (a stop id ends the stream, unyielded)."""
+           stop_ids: tuple[int, ...] = (), decode: Callable | None = None) -> Iterator[int]:
+    """Yield up to ``max_tokens`` sampled token ids after ``prompt`` (a stop id ends the stream, unyielded).
+    ``decode(input_ids, state)`` runs the one-token steps (default: the model; `k3.model.compiled.CompiledDecode`)."""
     if not prompt:
         raise ValueError("prompt: at least one token is needed")
     generator = None if seed is None else torch.Generator().manual_seed(seed)
@@ -69,4 +70,4 @@ def stream(model: K3ForCausalLM, prompt: list[int], max_tokens: int, temperature
         if int(token) in stop_ids:
             return
         yield int(token)
-        logits, state = model(token.view(1, 1), state=state)
+        logits, state = model(token.view(1, 1), state=state) if decode is None else decode(token.view(1, 1), state)

@@ -117,7 +117,9 @@ class Router(nn.Module):
         chosen = scores.gather(-1, indices)
         weights = chosen / chosen.sum(-1, keepdim=True)
         self.last_scores = scores.detach()
-        self.last_load = torch.bincount(indices.flatten(), minlength=scores.shape[-1]).detach()
+        flat = indices.flatten()  # a static-shape count (bincount's size depends on the data: no graph under compile)
+        self.last_load = torch.zeros(scores.shape[-1], dtype=torch.long, device=x.device).index_add_(
+            0, flat, torch.ones_like(flat)).detach()
         return weights, indices, scores
 
     def extra_repr(self) -> str:
@@ -168,6 +170,8 @@ class Experts(nn.Module):
     def forward(self, x: Tensor, weights: Tensor, indices: Tensor) -> Tensor:
         """x [N, W], weights [N, k], indices [N, k] → Σ_j weights_j · Expert_{indices_j}(x), [N, W] in x.dtype."""
         n_tokens, k = indices.shape
+        if type(self) is Experts and torch.compiler.is_compiling():
+            return self._gathered(x, weights, indices)
         mx_on = self.weight_format is not None or self.input_format is not None
         if not mx_on and self.num_experts <= n_tokens * k and n_tokens * self.num_experts <= self.DENSE_LIMIT:
             return self._dense(x, weights, indices)
@@ -199,6 +203,20 @@ class Experts(nn.Module):
     def _input(self, x: Tensor) -> Tensor:
         """A matmul input, MX fake-quantized in blocks along its last axis when MX inputs are on."""
         return x if self.input_format is None else mx.fake_quantize(x, self.input_format)
+
+    def _gathered(self, x: Tensor, weights: Tensor, indices: Tensor) -> Tensor:
+        """Each token–expert pair on its own gathered copy of the expert's weights: shapes fixed by ``[N, k]`` alone
+        (what a compiled decode step traces, `k3.model.compiled`); it reads exactly the selected experts."""
+        (n, k), pairs = indices.shape, indices.flatten()
+        gate_up, down = self.gate_up[pairs], self.down[pairs]  # [N·k, 2F, W], [N·k, W, F]
+        if self.weight_format is not None:
+            gate_up, down = mx.fake_quantize(gate_up, self.weight_format), mx.fake_quantize(down, self.weight_format)
+        xs = self._input(x).repeat_interleave(k, 0).unsqueeze(-1)  # [N·k, W, 1]
+        gate, up = (gate_up @ xs).squeeze(-1).split(self.hidden, dim=-1)
+        h = self._input(_activate(gate, up, self.activation, self.gate_cap, self.up_cap))
+        acc = torch.promote_types(x.dtype, weights.dtype)
+        y = (down @ h.unsqueeze(-1)).squeeze(-1).to(acc).view(n, k, -1)
+        return (y * weights.to(acc).unsqueeze(-1)).sum(1).to(x.dtype)
 
     def _dense(self, x: Tensor, weights: Tensor, indices: Tensor) -> Tensor:
         """All experts on all tokens, weighted by the routing weight (0 where not selected)."""
