@@ -28,12 +28,12 @@ info: $(STAMP)
 serve: $(STAMP)
 	$(BIN)/k3 serve --ckpt runs/mini
 
-# The chat page's browser test drives Debian's headless Chromium: installed here when missing and running as
-# root (as CI does); anyone else without it sees that test skipped, with the reason.
+# The chat page's browser test drives Debian's headless Chromium, and torch.compile's CPU backend (the compiled
+# decode tests) needs a C++ compiler: both installed here when missing and running as root (as CI does).
 test: $(STAMP)
-	@{ command -v chromium && command -v chromedriver; } >/dev/null 2>&1 || [ "$$(id -u)" != 0 ] || \
-		(apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
-			chromium chromium-driver)
+	@{ command -v chromium && command -v chromedriver && command -v g++; } >/dev/null 2>&1 || \
+		[ "$$(id -u)" != 0 ] || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y \
+			--no-install-recommends chromium chromium-driver g++)
 	$(BIN)/python -m pytest -q
 
 bench: $(STAMP)
