@@ -12,7 +12,8 @@ with ``logprobs=0`` so that every generated token arrives as its own chunk).
    `k3.interop.kimi_linear.from_transformers` (identical weights): the same HTTP measurement, beside
    transformers' own ``generate`` run in this process on the same prompts — sequentially (one request
    at a time) and batched (all 16 prompts left-padded in one call); and the same 16 requests through
-   the `Engine` in this process without HTTP, to separate the engine from the server.
+   the `Engine` in this process without HTTP, to separate the engine from the server — eager, and with the
+   compiled decode step (`k3 serve --compile`; its one-time compilation reported apart).
 3. A long prompt arriving while 8 clients stream: the ITL of those clients while it is prefilled, for
    several ``--prefill-chunk`` sizes, against the same clients with no long prompt.
 
@@ -153,19 +154,32 @@ def long_prompt_interference(url: str, prompts: list[list[int]], long_prompt: li
             "itl_without_p50_ms": percentile(outside, 50), "itl_samples_during_prefill": len(during)}
 
 
-def engine_only(model: K3ForCausalLM, tokenizer: Tokenizer, prompts: list[list[int]], max_tokens: int) -> dict:
-    """The same requests through the `Engine` in this process, no HTTP: what the server adds on top."""
+def engine_only(model: K3ForCausalLM, tokenizer: Tokenizer, prompts: list[list[int]], max_tokens: int,
+                compiled: bool = False) -> dict:
+    """The same requests through the `Engine` in this process, no HTTP: what the server adds on top. ``compiled``:
+    decode steps through `k3.serve.compiled.BucketedDecode` (``k3 serve --compile``), after one untimed pass of the
+    same requests that compiles the buckets they use (its time is reported as ``compile_s``)."""
+    from k3.serve.compiled import BucketedDecode
     from k3.serve.engine import Engine, SamplingParams
 
-    engine = Engine(model, tokenizer, max_batch=32, prefill_chunk=THROUGHPUT_CHUNK)
+    engine = Engine(model, tokenizer, max_batch=32, prefill_chunk=THROUGHPUT_CHUNK,
+                    decode=BucketedDecode(model) if compiled else None)
     params = SamplingParams(max_tokens=max_tokens, temperature=0)
-    done = [0]
-    start = time.perf_counter()
-    for prompt in prompts:
-        engine.add_request(prompt, params, callback=lambda o: done.__setitem__(0, done[0] + len(o.token_ids)))
-    while engine.has_work():
-        engine.step()
-    return {"output_tokens": done[0], "tokens_per_s": done[0] / (time.perf_counter() - start)}
+
+    def run() -> tuple[int, float]:
+        done = [0]
+        start = time.perf_counter()
+        for prompt in prompts:
+            engine.add_request(prompt, params, callback=lambda o: done.__setitem__(0, done[0] + len(o.token_ids)))
+        while engine.has_work():
+            engine.step()
+        return done[0], time.perf_counter() - start
+
+    row = {}
+    if compiled:
+        _, row["compile_s"] = run()
+    tokens, seconds = run()
+    return {"output_tokens": tokens, "tokens_per_s": tokens / seconds, **row}
 
 
 def transformers_generate(hf, prompts: list[list[int]], max_tokens: int, batched: bool) -> dict:
@@ -229,6 +243,8 @@ def main() -> None:
     n = concurrency[-1]
     record({"model": pair, "impl": "kimi-k3 engine, no HTTP", "concurrency": n,
             **engine_only(ours, tokenizer, prompts[:n], max_tokens)})
+    record({"model": pair, "impl": "kimi-k3 engine compiled, no HTTP", "concurrency": n,
+            **engine_only(ours, tokenizer, prompts[:n], max_tokens, compiled=True)})
     del ours
     for batched in (False, True):
         record({"model": pair, "impl": f"transformers generate ({'batched' if batched else 'sequential'})",
@@ -246,12 +262,15 @@ def main() -> None:
         print(json.dumps(row), flush=True)
 
     ours16 = next(r for r in rows if r["model"] == pair and r["impl"] == "kimi-k3 HTTP" and r["concurrency"] == n)
+    compiled16 = next(r for r in rows if r["impl"] == "kimi-k3 engine compiled, no HTTP")
     tf_rows = [r for r in rows if r["impl"].startswith("transformers")]
     summary = {f"ratio_vs_{r['impl']}": ours16["tokens_per_s"] / r["tokens_per_s"] for r in tf_rows}
+    summary.update({f"compiled_engine_ratio_vs_{r['impl']}": compiled16["tokens_per_s"] / r["tokens_per_s"]
+                    for r in tf_rows})
     print(table(rows, [("model", "model"), ("impl", "implementation"), ("concurrency", "concurrency"),
                        ("output_tokens", "output tokens"), ("tokens_per_s", "output tok/s"),
                        ("ttft_p50_ms", "TTFT p50 ms"), ("ttft_p99_ms", "TTFT p99 ms"),
-                       ("itl_p50_ms", "ITL p50 ms"), ("itl_p99_ms", "ITL p99 ms")]))
+                       ("itl_p50_ms", "ITL p50 ms"), ("itl_p99_ms", "ITL p99 ms"), ("compile_s", "compile s")]))
     print()
     print(table(interference, [("prefill_chunk", "prefill chunk"), ("clients", "streaming clients"),
                                ("long_prompt_tokens", "long prompt"), ("long_ttft_ms", "its TTFT ms"),

@@ -88,3 +88,29 @@ def test_k3_generate_compile_gives_the_eager_text_and_imports_no_compiler_withou
     assert "inductor imported: False" in eager.stdout  # --compile absent: no compiler import cost
     assert compiled.stdout.replace("inductor imported: True", "") == text
     assert "first compiled decode step" in compiled.stderr
+
+
+def test_engine_with_the_compiled_decode_step_gives_eager_tokens_with_one_graph_per_bucket(tok):
+    """Requests of unequal lengths join a running batch one per step and leave as they finish: every decode batch
+    size from 1 to 6 occurs, padded to the buckets 1, 2, 4 and 8 — four graphs — and every request's greedy tokens
+    equal the eager engine's."""
+    from k3.serve.compiled import BucketedDecode
+    from k3.serve.engine import Engine, SamplingParams
+
+    model = serving.model()
+    prompts = [p for p in serving.prompts() if len(p) > 1][:6]  # a 1-token prompt specialises its own graph
+    params = [SamplingParams(max_tokens=6 + 2 * i, temperature=0) for i in range(len(prompts))]
+
+    def run(engine: Engine) -> list[list[int]]:
+        tokens: dict[int, list[int]] = {}
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            engine.add_request(prompt, p, callback=lambda o, i=i: tokens.setdefault(i, []).extend(o.token_ids))
+            engine.step()
+        while engine.has_work():
+            engine.step()
+        return [tokens[i] for i in range(len(prompts))]
+
+    decode = BucketedDecode(model)
+    assert run(Engine(model, tok, decode=decode)) == run(Engine(model, tok))
+    assert set(decode.step.compile_seconds) <= {1, 2, 4, 8} and decode.step.compilations == \
+        len(decode.step.compile_seconds)

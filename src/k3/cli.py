@@ -215,9 +215,14 @@ def _engine(args: argparse.Namespace, **options):
     cache = None if args.no_prefix_cache else PrefixCache.for_model(
         model, tokenizer, int(args.prefix_cache_gb * 2**30), args.cache_block_tokens, args.cache_checkpoint_every,
         args.cache_page_blocks)
+    decode = None
+    if args.compile:
+        from k3.serve.compiled import BucketedDecode
+
+        decode = BucketedDecode(model)
     return Engine(model, tokenizer, max_model_len=args.max_model_len, max_batch=args.max_batch,
                   prefill_chunk=args.prefill_chunk, prefix_cache=cache, drafter=_drafter(args, model),
-                  num_draft_tokens=args.num_draft_tokens, **options)
+                  num_draft_tokens=args.num_draft_tokens, decode=decode, **options)
 
 
 def _drafter(args: argparse.Namespace, target):
@@ -543,6 +548,8 @@ def main(argv: list[str] | None = None) -> int:
                          "checkpoint with the same vocabulary")
         sub.add_argument("--num-draft-tokens", type=_positive(int), default=4,
                          help="tokens drafted per step with --draft (default %(default)s)")
+        sub.add_argument("--compile", action="store_true", help="decode steps through a torch.compile'd graph, "
+                         "batches padded to 1, 2, 4 … 32 rows (one compilation each, on first use)")
         cache = sub.add_argument_group("prefix cache (README, 'Prefix cache')")
         cache.add_argument("--prefix-cache-gb", type=_positive(float, zero=True), default=1.0,
                            help="bytes for cached MLA pages and KDA checkpoints, in GiB (default: %(default)s)")

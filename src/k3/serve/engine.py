@@ -167,7 +167,9 @@ class Engine:
     def __init__(self, model: K3ForCausalLM, tokenizer: Tokenizer, *, max_model_len: int | None = None,
                  max_batch: int = 32, prefill_chunk: int = 64, max_waiting: int = 1024,
                  prefix_cache: PrefixCache | None = None, drafter: Drafter | None = None,
-                 num_draft_tokens: int = 4) -> None:
+                 num_draft_tokens: int = 4, decode: Callable[[Tensor, DecoderState], tuple] | None = None) -> None:
+        """``decode``: runs the steps whose rows all decode one token — ``(input_ids [B, 1], stacked state) ->
+        (logits [B, V], state)``, e.g. the compiled `k3.serve.compiled.BucketedDecode`; others use the model."""
         if tokenizer.vocab_size > model.config.vocab_size:
             raise ValueError(f"tokenizer: {tokenizer.vocab_size} ids but the model has vocab_size "
                              f"{model.config.vocab_size}")
@@ -178,6 +180,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.prefix_cache = prefix_cache
         self.drafter, self.num_draft_tokens = drafter, num_draft_tokens
+        self.decode = decode
         self.speculation: Counter[str] = Counter()  # runs verified, tokens drafted, drafts accepted
         self.max_model_len = min(max_model_len or model.config.context_length, model.config.context_length)
         self.max_batch = max_batch
@@ -413,7 +416,7 @@ class Engine:
             replay.append(False)
         consumed = [chunk for _, chunk in chunks] + [[r.pending, *drafts[r.id].tokens] for r in speculating] + \
             [[r.pending] for r in ready]
-        results, features = self._call(groups, full, replay, consumed)
+        results, features = self._call(groups, full, replay, consumed, bool(ready) and not chunks and not speculating)
         observe = self.drafter.observe if features is not None else (lambda *_: None)
         for (request, chunk), f in zip(chunks, features or []):
             observe(request.id, chunk, f)
@@ -451,11 +454,13 @@ class Engine:
                     done[key] = prompt_embeddings(self.model, request.prompt, request.images)
                 request.embeds = done[key]
 
-    def _call(self, groups: list, full: list[bool], replay: list[bool],
-              consumed: list[list[int]]) -> tuple[list, list[Tensor] | None]:
+    def _call(self, groups: list, full: list[bool], replay: list[bool], consumed: list[list[int]],
+              decode_only: bool = False) -> tuple[list, list[Tensor] | None]:
         """`forward_groups`; for a drafter that reads the target, also each group's features ``[T, layers, d]``
         at its consumed tokens (a decode group's rows one by one)."""
         layers = None if self.drafter is None else self.drafter.feature_layers
+        if decode_only and self.decode is not None and not layers:  # only the stacked decode rows: one token each
+            return [self.decode(*groups[0])], None
         if not layers:
             return self.model.forward_groups(groups, full=full, replay=replay), None
         with self.model.capture(list(layers)) as captured:

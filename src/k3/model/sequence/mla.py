@@ -259,7 +259,8 @@ class GatedMLA(nn.Module):
         if state.shared_key.shape[1] != state.latent.shape[1]:
             raise ValueError(f"state: latent holds {state.latent.shape[1]} tokens, "
                              f"shared_key {state.shared_key.shape[1]}")
+        values_checked = not torch.compiler.is_compiling()  # a compiled step's padding is DecoderState.stack's
         if padding is not None and (not isinstance(padding, Tensor) or padding.shape != (B,)
-                                    or padding.dtype != torch.int64 or bool((padding < 0).any())
-                                    or bool((padding > state.length).any())):
+                                    or padding.dtype != torch.int64 or values_checked and (
+                                        bool((padding < 0).any()) or bool((padding > state.length).any()))):
             raise ValueError(f"padding: expected int64 [B={B}] in [0, L={state.length}], got {padding!r}")
