@@ -113,11 +113,16 @@ def write_model(directory: Path, model: torch.nn.Module, config: K3Config) -> No
     if bad is not None:
         raise ValueError(f"{directory.with_suffix('')}: not saved: weight {bad!r} has non-finite values "
                          f"(NaN or infinity)")
-    data = config.to_dict()
-    if any(isinstance(m, PackedExperts) for m in model.modules()):
-        data[QUANTIZATION] = quantization_config(config.mx)
     with writing(directory / WEIGHTS) as path:
         save_file(tensors, str(path))
+    write_config(directory, config, packed=any(isinstance(m, PackedExperts) for m in model.modules()))
+
+
+def write_config(directory: Path, config: K3Config, packed: bool = False) -> None:
+    """``config.json``, with the ``quantization_config`` of MXFP4-packed routed experts when ``packed``."""
+    data = config.to_dict()
+    if packed:
+        data[QUANTIZATION] = quantization_config(config.mx)
     with writing(directory / "config.json") as path:
         path.write_text(json.dumps(data, indent=2))
 

@@ -52,14 +52,32 @@ def save_checkpoint(out: Path, step: int, model: torch.nn.Module, config: K3Conf
     final = out / f"step-{step:07d}"
     with atomic_directory(final) as tmp:
         write_model(tmp, model, config)
-        with writing(tmp / "train.json") as path:
-            path.write_text(json.dumps(train, indent=2))
-        with writing(tmp / "tokenizer.json") as path:
-            shutil.copyfile(tokenizer_dir / "tokenizer.json", path)
-        write_state(tmp, state)
+        write_run_files(tmp, train, tokenizer_dir, state)
     write_text(out / LATEST, final.name)
     prune(out, keep, final.name)
     return final
+
+
+def write_run_files(directory: Path, train: dict[str, Any], tokenizer_dir: Path, state: dict[str, Any]) -> None:
+    """What a training checkpoint holds beside the model's files: ``train.json``, ``tokenizer.json`` (copied from
+    ``tokenizer_dir``) and the training state."""
+    with writing(directory / "train.json") as path:
+        path.write_text(json.dumps(train, indent=2))
+    with writing(directory / "tokenizer.json") as path:
+        shutil.copyfile(tokenizer_dir / "tokenizer.json", path)
+    write_state(directory, state)
+
+
+def load_single(ckpt: Path, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
+                state: dict[str, Any]) -> None:
+    """Weights and optimiser states of a single-process checkpoint (``state``: its `load_state`) into ``model`` and
+    ``optimizers``; a mismatch is a ValueError naming the file."""
+    model_checkpoint.load_weights(ckpt, model)
+    try:
+        for opt, saved in zip(optimizers, state["optimizers"], strict=True):
+            opt.load_state_dict(saved)
+    except (KeyError, ValueError, TypeError, RuntimeError) as err:
+        raise ValueError(f"{state_file(ckpt)}: does not match this run ({type(err).__name__}: {err})") from err
 
 
 def prune(out: Path, keep: int, latest: str) -> None:

@@ -32,7 +32,6 @@ from k3.dist.muon import clip_grad_norm
 from k3.dist.layout import ParallelLayout
 from k3.dist.mesh import World
 from k3.train import sharded
-from k3.train.data import masked_loss_sum
 from k3.train.loop import Run, TrainConfig, _train_steps, train
 
 
@@ -62,12 +61,14 @@ class DistributedRun(Run):
         self.model.to(self.device)
         lay = world.layout
         self.experts: list[ExpertParallelExperts] = []
-        self.expert_mesh = world.expert_mesh()
+        self.expert_mesh = None
         if lay.ep > 1:  # each rank keeps E/ep experts, FSDP-sharded over the ranks that share them
             local = self.model_config.moe.num_experts // lay.ep
             shard_experts(self.model, world.group("ep"), local if redundant_slots is None else redundant_slots)
             self.experts = [m for m in self.model.modules() if isinstance(m, ExpertParallelExperts)]
-        shard_model(self.model, world.fsdp_mesh(), config.bf16, (self.expert_mesh, self.experts))
+            self.expert_mesh = world.expert_mesh()
+        shard_model(self.model, world.fsdp_mesh(), config.bf16,
+                    None if self.expert_mesh is None else (self.expert_mesh, self.experts))
         self.context = ContextParallel(world.group("cp")) if lay.cp > 1 else None
 
     def prepare_data(self, resume: bool) -> Path | None:
@@ -97,23 +98,10 @@ class DistributedRun(Run):
         rows = t.tensor_split(lay.data_ranks)[self.world.data_index]
         return rows.tensor_split(lay.cp, dim=1)[self.world.cp_index].to(self.device)
 
-    def _accumulate(self, batches: list[tuple[Tensor, Tensor, Tensor]]) -> float:
-        """`Run._accumulate` on this rank's share: the objective's denominator is the step's global count."""
-        supervised = sum(int(mask.sum()) for _, _, mask in batches)
-        if supervised == 0:
-            raise ValueError(f"step {self.step_index + 1}: its {len(batches)} micro-batch(es) have no supervised "
-                             f"positions")
-        self.model.train()
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
-        for batch in batches:
-            inputs, targets, mask = (self.share(t) for t in batch)
-            with self._autocast():
-                logits, _ = self.model(inputs, context=self.context)
-            loss_sum, _ = masked_loss_sum(logits.float(), targets, mask)
-            (loss_sum / supervised).backward()
-            total += loss_sum.detach().double()
+    def reduce_loss(self, total: Tensor) -> Tensor:
+        """Every rank's loss sum added (the step's objective has the global supervised count as denominator)."""
         dist.all_reduce(total)
-        return float(total) / supervised
+        return total
 
     def clip_gradients(self, max_norm: float) -> float:
         """The global norm: expert shards' squares summed over their mesh and over the ranks holding other experts."""

@@ -211,6 +211,7 @@ class Run:
         self.metrics_path = self.out / "metrics.jsonl"
         self.writes = True  # this process writes the run's files (in a distributed run, rank 0 alone)
         self.device = torch.device("cpu")
+        self.context = None  # context parallelism's mixers (`k3.dist.context.ContextParallel`) in a distributed run
 
     # ---------------------------------------------------------------- setup
     def prepare(self, resume: bool) -> None:
@@ -317,12 +318,7 @@ class Run:
 
     def _load_single(self, path: Path, state: dict[str, Any]) -> None:
         """Weights and optimiser states from a single-process checkpoint."""
-        model_ckpt.load_weights(path, self.model)
-        try:
-            for opt, s in zip(self.optimizers, state["optimizers"], strict=True):
-                opt.load_state_dict(s)
-        except (KeyError, ValueError, TypeError, RuntimeError) as err:
-            raise ValueError(f"{ckpt.state_file(path)}: does not match this run ({type(err).__name__}: {err})") from err
+        ckpt.load_single(path, self.model, self.optimizers, state)
 
     def _truncate_metrics(self) -> None:
         """Drop the metrics logged after the restored step (they belong to the interrupted attempt), and a
@@ -369,15 +365,24 @@ class Run:
             raise ValueError(f"step {self.step_index + 1}: its {len(batches)} micro-batch(es) have no supervised "
                              f"positions")
         self.model.train()
-        total = 0.0
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
         for inputs, targets, mask, *images in batches:  # a multimodal micro-batch carries (pixels, grids)
             pixels, grids = images[0] if images else (None, None)
+            inputs, targets, mask = (self.share(t) for t in (inputs, targets, mask))
             with self._autocast():
-                logits, _ = self.model(inputs, pixel_values=pixels, grid_thw=grids)
+                logits, _ = self.model(inputs, pixel_values=pixels, grid_thw=grids, context=self.context)
             loss_sum, _ = masked_loss_sum(logits.float(), targets, mask)
             (loss_sum / supervised).backward()
-            total += loss_sum.item()
-        return total / supervised
+            total += loss_sum.detach().double()
+        return float(self.reduce_loss(total)) / supervised
+
+    def share(self, t: Tensor) -> Tensor:
+        """This process's part of a step's ``[B, T]`` batch tensor, on its device (all of it, in one process)."""
+        return t.to(self.device)
+
+    def reduce_loss(self, total: Tensor) -> Tensor:
+        """The step's loss sum over every process from this process's part (its own, in one process)."""
+        return total
 
     def step(self) -> dict[str, Any]:
         """One optimiser step over ``grad_accum`` micro-batches; returns the step's metrics."""

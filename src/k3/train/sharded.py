@@ -15,7 +15,6 @@ then moves ``latest``, so a rank killed mid-save (kill -9) leaves ``latest`` on 
 
 from __future__ import annotations
 
-import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,8 +31,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from k3.config import K3Config
 from k3.dist.fsdp import local_rows
-from k3.model.checkpoint import (LATEST, MANIFEST, SHARDED, atomic_directory, latest_checkpoint, load_weights,
-                                 read_config, verified, write_manifest, write_model, write_text, writing)
+from k3.model.checkpoint import (LATEST, MANIFEST, SHARDED, atomic_directory, latest_checkpoint, read_config,
+                                 verified, write_config, write_manifest, write_model, write_text)
 from k3.model.lm import K3ForCausalLM
 from k3.train import checkpoint as ckpt
 from k3.train.optim import OptimConfig, build_optimizers
@@ -141,13 +140,9 @@ def save(out: Path, step: int, model: nn.Module, optimizers: list[torch.optim.Op
 
 def _write_small_files(directory: Path, config: K3Config, train: dict[str, Any], tokenizer_dir: Path,
                        state: dict[str, Any]) -> None:
-    with writing(directory / "config.json") as path:
-        path.write_text(json.dumps(config.to_dict(), indent=2))
-    with writing(directory / "train.json") as path:
-        path.write_text(json.dumps(train, indent=2))
-    with writing(directory / "tokenizer.json") as path:
-        shutil.copyfile(tokenizer_dir / "tokenizer.json", path)
-    ckpt.write_state(directory, state)
+    """Every file of a sharded checkpoint but its shards: ``config.json`` and the run's files."""
+    write_config(directory, config)
+    ckpt.write_run_files(directory, train, tokenizer_dir, state)
 
 
 def _barrier() -> None:
@@ -202,9 +197,8 @@ def convert(source: Path, out: Path) -> Path:
         load(source, model, optimizers)
         state["optimizers"] = [opt.state_dict() for opt in optimizers]
     else:
-        load_weights(source, model)
-        for opt, saved in zip(optimizers, state.pop("optimizers"), strict=True):
-            opt.load_state_dict(saved)
+        ckpt.load_single(source, model, optimizers, state)
+        del state["optimizers"]  # the shards hold them
     with atomic_directory(out) as tmp:
         if sharded:
             write_model(tmp, model, config)
