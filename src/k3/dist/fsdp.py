@@ -52,6 +52,11 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, bf16: bool = False,
             module.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no pre-multiplied sum
 
 
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t``: the local tensor of a DTensor (sharing its storage), a plain tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def local_rows(param: torch.Tensor) -> slice:
     """The rows (dim 0) of the full tensor that this rank's shard of ``param`` holds (all of a plain tensor)."""
     if not isinstance(param, DTensor):

@@ -22,6 +22,8 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from k3.dist.fsdp import local_shard
+
 
 def _shard_dim(t: DTensor) -> int:
     dims = [d for d, p in enumerate(t.placements) if isinstance(p, Shard)]
@@ -86,6 +88,6 @@ def clip_grad_norm(params: list[Tensor], max_norm: float,
     coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for p in params:
         if p.grad is not None:
-            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            g = local_shard(p.grad)
             g.mul_(coefficient.to(g.device, g.dtype))
     return float(norm)

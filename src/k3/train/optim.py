@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
 from k3.config import K3Config
-from k3.dist.fsdp import local_rows
+from k3.dist.fsdp import local_rows, local_shard
 from k3.dist.muon import owner_update
 from k3.model.sequence.kda import KDALayer
 from k3.model.sequence.mla import GatedMLA
@@ -175,9 +175,10 @@ class Muon(torch.optim.Optimizer):
                 buf.mul_(mu).add_(p.grad)
                 direction = p.grad.add(buf, alpha=mu)
                 if isinstance(direction, DTensor):
-                    update, target, owner = owner_update(direction, owner, orthogonal), p.to_local(), owner + 1
+                    update, owner = owner_update(direction, owner, orthogonal), owner + 1
                 else:
-                    update, target = orthogonal(direction), p
+                    update = orthogonal(direction)
+                target = local_shard(p)
                 target.mul_(1 - lr * group["weight_decay"])
                 target.add_(update.to(target.dtype), alpha=-lr)
         return loss
@@ -211,10 +212,7 @@ def qk_clip_mla(attn: GatedMLA, max_logits: Tensor, threshold: float) -> Tensor:
 
 def _scale_rows(weight: Tensor, scale: Tensor) -> None:
     """``weight *= scale`` (``scale`` ``[rows, 1]``) in place, on this rank's rows of an FSDP-sharded weight."""
-    if isinstance(weight, DTensor):
-        weight.to_local().mul_(scale[local_rows(weight)].to(weight.dtype))
-    else:
-        weight.mul_(scale.to(weight.dtype))
+    local_shard(weight).mul_(scale[local_rows(weight)].to(weight.dtype))
 
 
 @dataclass

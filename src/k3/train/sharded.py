@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from k3.config import K3Config
-from k3.dist.fsdp import local_rows
+from k3.dist.fsdp import local_rows, local_shard
 from k3.model.checkpoint import (LATEST, MANIFEST, SHARDED, atomic_directory, latest_checkpoint, read_config,
                                  verified, write_config, write_manifest, write_model, write_text)
 from k3.model.lm import K3ForCausalLM
@@ -96,11 +96,7 @@ def _experts(state: dict[str, Any], experts: ExpertShards, fn) -> dict[str, Any]
 def _copy_back(loaded: dict[str, Any], state: dict[str, Any], experts: ExpertShards) -> None:
     """Write the loaded whole expert tensors into this rank's shards of them (in ``state``: the model's own)."""
     def back(original: Tensor, whole: Tensor) -> None:
-        piece = whole.to_local()
-        if isinstance(original, DTensor):
-            original.to_local().copy_(piece[local_rows(original)])
-        else:
-            original.copy_(piece)
+        local_shard(original).copy_(whole.to_local()[local_rows(original)])
 
     for name in experts.names:
         back(state["model"][name], loaded["model"][name])
