@@ -24,12 +24,10 @@ import argparse
 import dataclasses
 import os
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -37,6 +35,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from gloo import free_port, join  # noqa: E402
 from harness import machine, table, write_results  # noqa: E402
 
 from k3.config import preset  # noqa: E402
@@ -83,13 +83,10 @@ def _measure(run: Run, args: argparse.Namespace) -> dict:
 
 def _worker(rank: int, world: int, port: int, layout: dict, slots: int | None, config: dict, args: argparse.Namespace,
             out: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    from k3.dist.mesh import init_world
     from k3.train.distributed import DistributedRun
 
     torch.set_num_threads(1)
-    w = init_world(ParallelLayout.for_world(world, **layout), timeout=timedelta(seconds=300))
+    w = join(rank, world, port, layout, timeout_s=300)
     try:
         run = DistributedRun(TrainConfig.from_dict(config), w, slots)
         run.prepare(False)
@@ -108,12 +105,6 @@ def _single(_: int, config: dict, args: argparse.Namespace, out: str) -> None:
     run = Run(TrainConfig.from_dict(config))
     run.prepare(False)
     torch.save(_measure(run, args), out)
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def predicted(layout: ParallelLayout, args: argparse.Namespace) -> dict[str, int]:
@@ -157,7 +148,7 @@ def main() -> None:
             if world == 1:
                 mp.spawn(_single, args=(config, args, result), nprocs=1)
             else:
-                mp.spawn(_worker, args=(world, _port(), flags, slots, config, args, result), nprocs=world)
+                mp.spawn(_worker, args=(world, free_port(), flags, slots, config, args, result), nprocs=world)
             r = torch.load(result)
             want = predicted(layout, args)
             row = {"world": world, "layout": name, "step_s": r["step_s"],

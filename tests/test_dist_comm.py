@@ -4,9 +4,7 @@ collectives (`k3.dist.comm.CommLedger`), and the ledger itself against hand-coun
 from __future__ import annotations
 
 import dataclasses
-import os
 import shutil
-import socket
 from datetime import timedelta
 
 import pytest
@@ -19,13 +17,8 @@ from k3.dist import plan
 from k3.dist.comm import CommLedger
 from k3.dist.layout import ParallelLayout
 from k3.train.loop import Run, TrainConfig
+from gloo import free_port, join
 from training import config as train_config
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _ledger_worker(rank: int, world: int, port: int, out: str) -> None:
@@ -47,7 +40,7 @@ def _ledger_worker(rank: int, world: int, port: int, out: str) -> None:
 
 def test_the_ledger_counts_bytes_received(tmp_path, monkeypatch):
     monkeypatch.setattr("k3.dist.comm.PARTS", (("", "other"),))  # the test's own calls (module __mp_main__)
-    mp.spawn(_ledger_worker, args=(2, _port(), str(tmp_path)), nprocs=2)
+    mp.spawn(_ledger_worker, args=(2, free_port(), str(tmp_path)), nprocs=2)
     rank0, rank1 = (torch.load(tmp_path / f"{r}.pt") for r in (0, 1))
     assert rank0["all_gather"] == rank1["all_gather"] == 40
     assert rank0["all_reduce"] == rank1["all_reduce"] == 48
@@ -57,12 +50,9 @@ def test_the_ledger_counts_bytes_received(tmp_path, monkeypatch):
 
 
 def _step_worker(rank: int, world: int, port: int, layout: dict, config: dict, out: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    from k3.dist.mesh import init_world
     from k3.train.distributed import DistributedRun
 
-    w = init_world(ParallelLayout.for_world(world, **layout), timeout=timedelta(seconds=120))
+    w = join(rank, world, port, layout)
     try:
         run = DistributedRun(TrainConfig.from_dict(config), w)
         run.prepare(False)
@@ -82,7 +72,7 @@ def test_plan_predicts_the_bytes_a_training_step_moves(flags, corpus, tmp_path):
     seed.prepare(False)
     (tmp_path / "run").mkdir()
     shutil.copytree(tmp_path / "tok" / "tokenizer", tmp_path / "run" / "tokenizer")
-    mp.spawn(_step_worker, args=(2, _port(), flags, config.to_dict(), str(tmp_path)), nprocs=2)
+    mp.spawn(_step_worker, args=(2, free_port(), flags, config.to_dict(), str(tmp_path)), nprocs=2)
     measured = {part: (torch.load(tmp_path / "0.pt")[part] + torch.load(tmp_path / "1.pt")[part]) / 2
                 for part in ("fsdp", "muon", "context", "expert")}  # mean over the ranks, as the plan counts
     tiny = preset("tiny")  # a text-only step never gathers, reduces or updates the vision encoder (its own unit)

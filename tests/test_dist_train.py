@@ -13,9 +13,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -27,23 +25,10 @@ from torch.distributed.tensor import DTensor
 from k3.dist.fsdp import local_rows
 from k3.dist.layout import ParallelLayout
 from k3.train.loop import Run, TrainConfig
+from gloo import free_port, join
 from training import config as train_config
 
 STEPS = 3
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _join(rank: int, world: int, port: int, layout: dict):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    from k3.dist.mesh import init_world
-
-    return init_world(ParallelLayout.for_world(world, **layout), timeout=timedelta(seconds=120))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -66,7 +51,7 @@ def _rows(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
 def _trainer(rank: int, world: int, port: int, layout: dict, slots: int | None, config: dict, out: str) -> None:
     from k3.train.distributed import DistributedRun
 
-    w = _join(rank, world, port, layout)
+    w = join(rank, world, port, layout)
     try:
         config = TrainConfig.from_dict(config)
         probe = DistributedRun(config, w, slots)  # the first step's gradients, before any update
@@ -98,7 +83,7 @@ def _reference(tmp: Path, corpus: Path, **changes) -> dict:
 
 
 def _spawn(fn, world: int, *args) -> None:
-    mp.spawn(fn, args=(world, _port(), *args), nprocs=world, join=True)
+    mp.spawn(fn, args=(world, free_port(), *args), nprocs=world, join=True)
 
 
 CASES = {  # world size, layout, MoonEP redundant slots (None: E/ep; 0: plain EP), training config changes
@@ -142,7 +127,7 @@ def _resume(rank: int, world: int, port: int, layout: dict, config: dict, stop: 
     """Continue (or start) the run in config.out on ``world`` processes up to step ``stop``; save; record losses."""
     from k3.train.distributed import DistributedRun
 
-    w = _join(rank, world, port, layout)
+    w = join(rank, world, port, layout)
     try:
         run = DistributedRun(TrainConfig.from_dict(config), w)
         run.prepare(resume=True)
@@ -217,7 +202,7 @@ def _dies(rank: int, world: int, port: int, config: dict, out: str) -> None:
     """Rank 1 is killed (SIGKILL) in the middle of its second step; rank 0 must fail with an error, not hang."""
     from k3.train.distributed import DistributedRun
 
-    w = _join(rank, world, port, {})
+    w = join(rank, world, port, {})
     run = DistributedRun(TrainConfig.from_dict(config), w)
     run.prepare(False)
     run.step()
@@ -240,7 +225,7 @@ def test_a_killed_rank_makes_the_others_fail_not_hang(corpus, tmp_path):
     (tmp_path / "run").mkdir()
     shutil.copytree(tmp_path / "tok" / "tokenizer", tmp_path / "run" / "tokenizer")
     report = tmp_path / "rank0.txt"
-    context = mp.start_processes(_dies, args=(2, _port(), config.to_dict(), str(report)), nprocs=2, join=False,
+    context = mp.start_processes(_dies, args=(2, free_port(), config.to_dict(), str(report)), nprocs=2, join=False,
                                  start_method="spawn")
     deadline = time.monotonic() + 150
     while not report.exists() and time.monotonic() < deadline:
@@ -261,7 +246,7 @@ def _killed_while_saving(rank: int, world: int, port: int, victim: int, config: 
 
     from k3.train.distributed import DistributedRun
 
-    w = _join(rank, world, port, {})
+    w = join(rank, world, port, {})
     run = DistributedRun(TrainConfig.from_dict(config), w)
     run.prepare(False)
     run.step()
@@ -283,7 +268,7 @@ def test_kill_9_during_a_save_keeps_the_previous_checkpoint(victim, corpus, tmp_
     tokenizer_run.prepare(False)
     (tmp_path / "run").mkdir()
     shutil.copytree(tmp_path / "tok" / "tokenizer", tmp_path / "run" / "tokenizer")
-    context = mp.start_processes(_killed_while_saving, args=(2, _port(), victim, config.to_dict(),
+    context = mp.start_processes(_killed_while_saving, args=(2, free_port(), victim, config.to_dict(),
                                                              str(tmp_path / "survivor.txt")),
                                  nprocs=2, join=False, start_method="spawn")
     for process in context.processes:
