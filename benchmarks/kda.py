@@ -1,8 +1,9 @@
 """How fast is k3's chunkwise KDA on this CPU, against the recurrence and the peers' pure-torch chunk paths?
 
 Forward and forward+backward, B=1, H=4, K=V=128, T in {1024, 4096, 16384}, fp32 and bf16, for
-``k3.ops.kda.chunked``, ``k3.ops.kda.recurrent``, transformers' ``chunk_kimi_delta_attention`` and fla's
-``naive_chunk_kda`` — all measured in this run, each case in a fresh process (clean peak memory),
+``k3.ops.kda.chunked`` (eager, and ``torch.compile``d as the compiled prefill runs it: forward, T ≤ 4096),
+``k3.ops.kda.recurrent``, transformers' ``chunk_kimi_delta_attention`` and fla's ``naive_chunk_kda`` — all
+measured in this run, each case in a fresh process (clean peak memory),
 beside the machine's measured dense matmul rate.
 
 FLOPs are the chunk algorithm's matmul FLOPs (``chunk_flops``; elementwise work not counted) for
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -36,7 +38,9 @@ from harness import (  # noqa: E402
 )
 
 B, H, K, V, CHUNK = 1, 4, 128, 128, 64
-IMPLS = ("chunked", "recurrent", "transformers_chunk", "fla_naive_chunk")
+IMPLS = ("chunked", "chunked_compiled", "recurrent", "transformers_chunk", "fla_naive_chunk")
+G_MIN = -5.0  # `kda.bounded_decay`'s default floor: the inputs' decay bound, as the model's gate passes it
+COMPILED_MAX_T = 4096  # the compiled graph unrolls the chunk loop: T / 64 iterations
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 CASE_TIMEOUT_S = 600
 
@@ -77,6 +81,8 @@ def implementation(name: str):
 
     if name == "chunked":
         return lambda *a: kda.chunked(*a, chunk_size=CHUNK)
+    if name == "chunked_compiled":  # what the compiled prefill runs (`k3.model.compiled`)
+        return torch.compile(lambda *a: kda.chunked(*a, chunk_size=CHUNK, decay_floor=G_MIN), dynamic=False)
     if name == "recurrent":
         return kda.recurrent
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -108,11 +114,11 @@ def run_case(impl: str, T: int, dtype: str, mode: str) -> dict:
                 fn(*args)
 
     reset_peak_rss()
-    before = rss_mib()
-    call()  # the first call sets the memory high-water mark
-    peak = peak_rss_mib() - before
+    before, start = rss_mib(), time.perf_counter()
+    call()  # the first call sets the memory high-water mark (and compiles `chunked_compiled`)
+    first, peak = time.perf_counter() - start, peak_rss_mib() - before
     seconds, repeats = median_seconds(call, min_repeats=2, budget_s=3.0)
-    return {"seconds": seconds, "repeats": repeats, "peak_mib": max(peak, 0.0)}
+    return {"seconds": seconds, "repeats": repeats, "peak_mib": max(peak, 0.0), "first_call_s": first}
 
 
 def main() -> None:
@@ -144,7 +150,9 @@ def main() -> None:
                 for T in sorted(args.T):
                     row = {"impl": impl, "T": T, "dtype": dtype, "mode": mode}
                     grow = T / last["T"] if last else 0.0
-                    if last and last["seconds"] * grow > args.budget_s:
+                    if impl == "chunked_compiled" and (mode != "fwd" or T > COMPILED_MAX_T):
+                        row["note"] = "not run: the compiled prefill's case is the forward, T ≤ 4096"
+                    elif last and last["seconds"] * grow > args.budget_s:
                         row["note"] = f"skipped: est. {last['seconds'] * grow:.0f} s per call"
                     elif last and last["peak_mib"] * grow > args.max_mib:
                         row["note"] = f"skipped: est. {last['peak_mib'] * grow / 1024:.1f} GiB peak"
@@ -183,12 +191,14 @@ def main() -> None:
                 min(p["seconds"] for p in peers) / ours["seconds"] if peers else None,
             "T4096_fp32_fwd_speedup_vs_recurrent": rec["seconds"] / ours["seconds"] if rec else None,
             "T4096_fp32_fwd_pct_of_matmul_rate": ours["pct_matmul"],
+            "T4096_fp32_fwd_compiled_pct_of_matmul_rate": (c := find("chunked_compiled", 4096)) and c["pct_matmul"],
             "T4096_fwd_bf16_over_fp32_time": bf16["seconds"] / ours["seconds"] if bf16 else None,
             "chunked_fp32_fwd_peak_mib_by_T": mem,
         }
     columns = [("mode", "mode"), ("dtype", "dtype"), ("T", "T"), ("impl", "implementation"),
                ("tokens_per_s", "tokens/s"), ("gflops", "GFLOP/s"), ("pct_matmul", "% of fp32 matmul"),
-               ("peak_mib", "peak MiB"), ("chunked_speedup", "chunked is N× faster"), ("note", "note")]
+               ("peak_mib", "peak MiB"), ("first_call_s", "first call s"), ("chunked_speedup", "chunked is N× faster"),
+               ("note", "note")]
     print()
     print(f"dense fp32 matmul: {rates['fp32']:.1f} GFLOP/s; bf16: {rates['bf16']:.1f} GFLOP/s "
           f"({machine()['cores']} cores, {machine()['cpu_capability']})")

@@ -6,8 +6,9 @@
 2. The `tiny` and `small` presets: training tokens/s and decode tokens/s at batch 1 and 8, contexts 512
    and 4096, plus an all-KDA variant of `small` whose decode time per token should not grow with context.
 
-"kimi-k3 compiled" rows decode with `k3.model.compiled.CompiledDecode` (``k3 generate --compile``); the
-first call's time (the compilation, or a load from inductor's disk cache) is reported beside them.
+"kimi-k3 compiled" rows decode with `k3.model.compiled.CompiledModel` (``k3 generate --compile``: inductor with
+frozen weights and its C++ GEMM templates); the first call's time (the compilation, or a load from inductor's disk
+cache) is reported beside them, and an operator profile of `small`'s compiled step says where its time goes.
 
 Every k3 decode figure comes with its roofline (`k3.model.roofline`): the bytes the step must read (weights, the
 selected experts' weights, KDA states, MLA caches) over the measured copy bandwidth, and its FLOPs over the measured
@@ -65,21 +66,46 @@ def k3_decode_tokens_per_s(model: K3ForCausalLM, batch: int, context: int, steps
 
 
 def k3_compiled_decode(model: K3ForCausalLM, batch: int, context: int, steps: int = 32) -> tuple[float, float]:
-    """`k3_decode_tokens_per_s` with the compiled step (`k3.model.compiled`): (tokens/s, first-call seconds)."""
-    from k3.model.compiled import CompiledDecode
+    """`k3_decode_tokens_per_s` with the compiled decode step (`k3.model.compiled.CompiledModel`, tuned: ``k3
+    generate --compile``): (tokens/s, seconds of the first call — compilation or inductor's disk cache)."""
+    from k3.model.compiled import CompiledModel
 
-    compiled = CompiledDecode(model)
+    compiled = CompiledModel(model)
     vocab = model.config.vocab_size
     with torch.no_grad():
         _, state = model(torch.randint(0, vocab, (batch, context)), state=model.new_state(batch))
     token = torch.randint(0, vocab, (batch, 1))
-    _, state = compiled(token, state)  # compiles (or loads inductor's on-disk cache)
-    _, state = compiled(token, state)
+    _, state = compiled.decode(token, state)  # compiles (or loads inductor's on-disk cache)
+    _, state = compiled.decode(token, state)
     start = time.perf_counter()
     for _ in range(steps):
-        logits, state = compiled(token, state)
-        token = logits[:, -1:].argmax(-1)
-    return batch * steps / (time.perf_counter() - start), compiled.compile_seconds[batch]
+        logits, state = compiled.decode(token, state)
+        token = logits.argmax(-1, keepdim=True)
+    return batch * steps / (time.perf_counter() - start), sum(compiled.compile_seconds.values())
+
+
+def operator_profile(model: K3ForCausalLM, context: int, steps: int = 20, top: int = 12) -> list[dict]:
+    """Where a compiled batch-1 decode step's time goes: torch.profiler's self CPU time per operator (the generated
+    kernels of a graph count as the graph's own time), as ms per step and share of the step."""
+    from torch.profiler import profile
+
+    from k3.model.compiled import CompiledModel
+
+    compiled = CompiledModel(model)
+    vocab = model.config.vocab_size
+    with torch.no_grad():
+        _, state = model(torch.randint(0, vocab, (1, context)), state=model.new_state(1))
+    token = torch.randint(0, vocab, (1, 1))
+    for _ in range(3):
+        compiled.decode(token, state)
+    with profile() as prof:
+        for _ in range(steps):
+            compiled.decode(token, state)
+    events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    total = sum(e.self_cpu_time_total for e in events)
+    rows = [{"operator": e.key[:60], "calls_per_step": e.count / steps, "ms_per_step": e.self_cpu_time_total / 1e3
+             / steps, "share": e.self_cpu_time_total / total} for e in events[:top]]
+    return rows + [{"operator": "(all)", "ms_per_step": total / 1e3 / steps, "share": 1.0}]
 
 
 def kimi_linear_pair(vocab_size: int = 32000, pad_token_id: int | None = None):
@@ -188,6 +214,9 @@ def main() -> None:
                                      config))
                     print(json.dumps(rows[-1]), flush=True)
 
+    torch.manual_seed(0)
+    profile_rows = operator_profile(K3ForCausalLM(variants["small"]).eval(), 512)
+
     def find(model, impl, task, context=512, batch=1):
         return next(r["tokens_per_s"] for r in rows if (r["model"], r["impl"], r["task"], r["context"], r["batch"])
                     == (model, impl, task, context, batch if task == "decode" else 4))
@@ -209,9 +238,13 @@ def main() -> None:
                        ("context", "context"), ("tokens_per_s", "tokens/s"), ("step_ms", "ms / step"),
                        ("roof_ms", "roofline ms"), ("bound", "bound"), ("roof_fraction", "of roof"),
                        ("compile_s", "first call s")]))
+    print("\nwhere the compiled batch-1 decode step of small goes (context 512, torch.profiler self CPU time):")
+    print(table(profile_rows, [("operator", "operator"), ("calls_per_step", "calls / step"),
+                               ("ms_per_step", "ms / step"), ("share", "share")]))
     print(json.dumps(summary, indent=2))
     path = write_results("model", {"machine": machine(), "copy_gbps": bandwidth / 1e9,
-                                   "matmul_gflops": flops_rate / 1e9, "rows": rows, "summary": summary})
+                                   "matmul_gflops": flops_rate / 1e9, "rows": rows, "summary": summary,
+                                   "compiled_decode_profile": profile_rows})
     print(f"wrote {path}")
 
 

@@ -12,12 +12,16 @@ with ``logprobs=0`` so that every generated token arrives as its own chunk).
    `k3.interop.kimi_linear.from_transformers` (identical weights): the same HTTP measurement, beside
    transformers' own ``generate`` run in this process on the same prompts — sequentially (one request
    at a time) and batched (all 16 prompts left-padded in one call); and the same 16 requests through
-   the `Engine` in this process without HTTP, to separate the engine from the server — eager, and with the
-   compiled decode step (`k3 serve --compile`; its one-time compilation reported apart).
+   the `Engine` in this process without HTTP, to separate the engine from the server — eager, and compiled
+   (``Engine(compile=True)``); and ``k3 serve --compile`` over HTTP, after an untimed pass that compiles the
+   shapes the runs use (the one-time compilation reported apart).
+
+Each throughput row has its roofline: output tokens/s no implementation could beat here — the prompts' FLOPs at the
+measured matmul rate plus every decode step's bytes or FLOPs (`k3.model.roofline`) — and the fraction reached.
 3. A long prompt arriving while 8 clients stream: the ITL of those clients while it is prefilled, for
    several ``--prefill-chunk`` sizes, against the same clients with no long prompt.
 
-    python benchmarks/serve.py            # ~10 min on 2 cores
+    python benchmarks/serve.py            # ~20 min on 2 cores (compilations included)
     python benchmarks/serve.py --quick    # fewer tokens, for a smoke run
 """
 
@@ -38,12 +42,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from harness import machine, table, write_results  # noqa: E402
+from harness import copy_gbps, machine, matmul_gflops, table, write_results  # noqa: E402
 from model import kimi_linear_pair  # noqa: E402
 
 from k3 import K3ForCausalLM  # noqa: E402
-from k3.config import preset  # noqa: E402
+from k3.config import K3Config, preset  # noqa: E402
 from k3.model.checkpoint import load_model, save_model  # noqa: E402
+from k3.model.roofline import decode_cost  # noqa: E402
 from k3.train.data import stdlib_documents  # noqa: E402
 from k3.tokenization.bpe import Tokenizer  # noqa: E402
 
@@ -61,12 +66,13 @@ def percentile(values: list[float], q: float) -> float:
 class Server:
     """``k3 serve`` in a subprocess (its defaults unless a prefill chunk is given); ``with Server(ckpt) as url``."""
 
-    def __init__(self, ckpt: Path, prefill_chunk: int | None = None) -> None:
+    def __init__(self, ckpt: Path, prefill_chunk: int | None = None, compile: bool = False) -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.command = [sys.executable, "-m", "k3.cli", "serve", "--ckpt", str(ckpt), "--port", str(self.port),
-                        "--model-name", "bench"] + (["--prefill-chunk", str(prefill_chunk)] if prefill_chunk else [])
+                        "--model-name", "bench"] + (["--prefill-chunk", str(prefill_chunk)] if prefill_chunk else []) \
+            + (["--compile"] if compile else [])
 
     def __enter__(self) -> str:
         import openai
@@ -157,13 +163,11 @@ def long_prompt_interference(url: str, prompts: list[list[int]], long_prompt: li
 def engine_only(model: K3ForCausalLM, tokenizer: Tokenizer, prompts: list[list[int]], max_tokens: int,
                 compiled: bool = False) -> dict:
     """The same requests through the `Engine` in this process, no HTTP: what the server adds on top. ``compiled``:
-    decode steps through `k3.serve.compiled.BucketedDecode` (``k3 serve --compile``), after one untimed pass of the
-    same requests that compiles the buckets they use (its time is reported as ``compile_s``)."""
-    from k3.serve.compiled import BucketedDecode
+    ``Engine(compile=True)`` (``k3 serve --compile``), after one untimed pass of the same requests that compiles
+    the buckets they use (its time is reported as ``compile_s``)."""
     from k3.serve.engine import Engine, SamplingParams
 
-    engine = Engine(model, tokenizer, max_batch=32, prefill_chunk=THROUGHPUT_CHUNK,
-                    decode=BucketedDecode(model) if compiled else None)
+    engine = Engine(model, tokenizer, max_batch=32, prefill_chunk=THROUGHPUT_CHUNK, compile=compiled)
     params = SamplingParams(max_tokens=max_tokens, temperature=0)
 
     def run() -> tuple[int, float]:
@@ -180,6 +184,18 @@ def engine_only(model: K3ForCausalLM, tokenizer: Tokenizer, prompts: list[list[i
         _, row["compile_s"] = run()
     tokens, seconds = run()
     return {"output_tokens": tokens, "tokens_per_s": tokens / seconds, **row}
+
+
+def roofline(config: K3Config, prompts: list[list[int]], max_tokens: int, bandwidth: float,
+             flops_rate: float) -> float:
+    """Output tokens/s no implementation can beat on this machine for the run: every prompt token's FLOPs at the
+    matmul rate, then ``max_tokens`` decode steps of all rows, each bound by its bytes or its FLOPs
+    (`k3.model.roofline`)."""
+    prefill = decode_cost(config, sum(map(len, prompts)), 0).flops / flops_rate
+    context = max(map(len, prompts))
+    decode = sum(decode_cost(config, len(prompts), context + t).seconds(bandwidth, flops_rate)
+                 for t in range(max_tokens))
+    return len(prompts) * max_tokens / (prefill + decode)
 
 
 def transformers_generate(hf, prompts: list[list[int]], max_tokens: int, batched: bool) -> dict:
@@ -241,6 +257,14 @@ def main() -> None:
             record({"model": pair, "impl": "kimi-k3 HTTP", "concurrency": c,
                     **run_clients(url, prompts[:c], max_tokens)})
     n = concurrency[-1]
+    with Server(kimi, THROUGHPUT_CHUNK, compile=True) as url:
+        start = time.perf_counter()
+        for c in concurrency:  # untimed: compiles the decode buckets and prefill pieces these runs use
+            run_clients(url, prompts[:c], max_tokens)
+        warm_up = time.perf_counter() - start
+        for c in concurrency:
+            record({"model": pair, "impl": "kimi-k3 HTTP --compile", "concurrency": c,
+                    **run_clients(url, prompts[:c], max_tokens), **({"compile_s": warm_up} if c == n else {})})
     record({"model": pair, "impl": "kimi-k3 engine, no HTTP", "concurrency": n,
             **engine_only(ours, tokenizer, prompts[:n], max_tokens)})
     record({"model": pair, "impl": "kimi-k3 engine compiled, no HTTP", "concurrency": n,
@@ -261,16 +285,24 @@ def main() -> None:
         interference.append(row)
         print(json.dumps(row), flush=True)
 
-    ours16 = next(r for r in rows if r["model"] == pair and r["impl"] == "kimi-k3 HTTP" and r["concurrency"] == n)
-    compiled16 = next(r for r in rows if r["impl"] == "kimi-k3 engine compiled, no HTTP")
+    bandwidth, flops_rate = copy_gbps() * 1e9, matmul_gflops() * 1e9
+    configs = {"small": preset("small"), pair: kimi_linear_pair(tokenizer.vocab_size)[1].config}
+    for row in rows:  # the roofline of each run: its prompts and output tokens at the machine's limits
+        row["roof_tokens_per_s"] = roofline(configs[row["model"]], prompts[:row["concurrency"]], max_tokens,
+                                            bandwidth, flops_rate)
+        row["roof_fraction"] = row["tokens_per_s"] / row["roof_tokens_per_s"]
     tf_rows = [r for r in rows if r["impl"].startswith("transformers")]
-    summary = {f"ratio_vs_{r['impl']}": ours16["tokens_per_s"] / r["tokens_per_s"] for r in tf_rows}
-    summary.update({f"compiled_engine_ratio_vs_{r['impl']}": compiled16["tokens_per_s"] / r["tokens_per_s"]
-                    for r in tf_rows})
+    summary = {"copy_gbps": bandwidth / 1e9, "matmul_gflops": flops_rate / 1e9}
+    for impl, key in (("kimi-k3 HTTP", "ratio"), ("kimi-k3 HTTP --compile", "compiled_http_ratio"),
+                      ("kimi-k3 engine compiled, no HTTP", "compiled_engine_ratio")):
+        ours = next(r for r in rows if r["model"] == pair and r["impl"] == impl and r["concurrency"] == n)
+        summary.update({f"{key}_vs_{r['impl']}": ours["tokens_per_s"] / r["tokens_per_s"] for r in tf_rows})
     print(table(rows, [("model", "model"), ("impl", "implementation"), ("concurrency", "concurrency"),
                        ("output_tokens", "output tokens"), ("tokens_per_s", "output tok/s"),
                        ("ttft_p50_ms", "TTFT p50 ms"), ("ttft_p99_ms", "TTFT p99 ms"),
-                       ("itl_p50_ms", "ITL p50 ms"), ("itl_p99_ms", "ITL p99 ms"), ("compile_s", "compile s")]))
+                       ("itl_p50_ms", "ITL p50 ms"), ("itl_p99_ms", "ITL p99 ms"),
+                       ("roof_tokens_per_s", "roofline tok/s"), ("roof_fraction", "of roof"),
+                       ("compile_s", "compile s")]))
     print()
     print(table(interference, [("prefill_chunk", "prefill chunk"), ("clients", "streaming clients"),
                                ("long_prompt_tokens", "long prompt"), ("long_ttft_ms", "its TTFT ms"),

@@ -1,6 +1,8 @@
-"""The compiled decode step (`k3.model.compiled`, issue 18) against eager decoding: the same greedy tokens, logits
-within fp32 reassociation (stated: 1e-4 absolute on logits of magnitude ~1), one compilation per batch size however
-long the context grows, QAT's MX experts included, and `k3 generate --compile` giving eager's text."""
+"""The compiled steps (`k3.model.compiled`, issue 18) against eager: the same greedy tokens and logits within fp32
+reassociation (stated: 1e-4 absolute on logits of magnitude ~1) for chunked prefill, decode, the serving engine's
+mixed steps with requests joining and leaving, a QAT/MX model and frozen (tuned) weights that change; a graph per
+shape key and never another after warm-up; and ``k3 generate --compile`` giving eager's text while the plain
+command imports no compiler."""
 
 from __future__ import annotations
 
@@ -14,52 +16,75 @@ import torch
 import serving
 from k3 import K3ForCausalLM
 from k3.config import preset
-from k3.model.compiled import CompiledDecode
+from k3.model.compiled import CompiledModel, pieces
 from k3.model.state import DecoderState
 
 LOGIT_TOLERANCE = 1e-4
 
 
-def _decode_both(model: K3ForCausalLM, compiled: CompiledDecode, prompt: torch.Tensor, steps: int):
-    """Greedy decode ``steps`` tokens eagerly and compiled from the same prefill; returns both token lists and the
-    largest logit difference."""
+def _generate_both(model: K3ForCausalLM, compiled: CompiledModel, prompt: torch.Tensor, steps: int):
+    """Prefill ``prompt`` and greedily decode ``steps`` tokens, eagerly (one model call for the whole prompt) and
+    compiled (prompt pieces, then decode steps); returns both token lists and the largest logit difference."""
     with torch.no_grad():
         logits, state = model(prompt, state=model.new_state(prompt.shape[0]))
-    token = logits[:, -1:].argmax(-1)
-    eager: tuple[torch.Tensor, DecoderState] = (token, state)
-    fast: tuple[torch.Tensor, DecoderState] = (token, state)
-    tokens_eager, tokens_fast, worst = [], [], 0.0
+    eager: tuple[torch.Tensor, DecoderState] = (logits[:, -1], state)
+    fast = compiled(prompt, model.new_state(prompt.shape[0]))
+    tokens_eager, tokens_fast, worst = [], [], float((eager[0] - fast[0]).abs().max())
     for _ in range(steps):
+        te, tf = eager[0].argmax(-1, keepdim=True), fast[0].argmax(-1, keepdim=True)
+        tokens_eager.append(te.flatten().tolist())
+        tokens_fast.append(tf.flatten().tolist())
         with torch.no_grad():
-            le, se = model(eager[0], state=eager[1])
-        lc, sc = compiled(fast[0], fast[1])
-        worst = max(worst, float((le - lc).abs().max()))
-        eager, fast = (le[:, -1:].argmax(-1), se), (lc[:, -1:].argmax(-1), sc)
-        tokens_eager.append(eager[0].flatten().tolist())
-        tokens_fast.append(fast[0].flatten().tolist())
-        assert sc.position == se.position
+            le, se = model(te, state=eager[1])
+        eager, fast = (le[:, -1], se), compiled(tf, fast[1])
+        worst = max(worst, float((eager[0] - fast[0]).abs().max()))
+        assert fast[1].position == se.position
     return tokens_eager, tokens_fast, worst
 
 
-def test_compiled_decode_equals_eager_with_one_graph_per_batch_size():
+def test_pieces_are_bucket_lengths_largest_first():
+    assert pieces(37) == [16, 16, 4, 1] and pieces(64) == [64] and pieces(130) == [64, 64, 1, 1] and pieces(0) == []
+    assert pieces(7, (4, 1)) == [4, 1, 1, 1]
+    with pytest.raises(ValueError, match="sizes must hold 1"):
+        CompiledModel(serving.model(), sizes=(16, 4))
+
+
+def test_compiled_prefill_and_decode_equal_eager_with_one_graph_per_shape_key():
     model = serving.model()
-    compiled = CompiledDecode(model)
-    prompt = torch.tensor([serving.prompts()[1][:5]])
-    eager, fast, worst = _decode_both(model, compiled, prompt, steps=12)  # the MLA cache grows every step
+    compiled = CompiledModel(model, tuned=False)
+    text = serving.prompts()[5]  # 120 tokens
+    eager, fast, worst = _generate_both(model, compiled, torch.tensor([text[:21]]), steps=10)  # 16 + 4 + 1
     assert fast == eager and worst < LOGIT_TOLERANCE
-    assert compiled.compilations == 1  # no recompilation as the context grows
-    pair = torch.tensor([serving.prompts()[1][:5], serving.prompts()[2][:5]])
-    eager, fast, worst = _decode_both(model, compiled, pair, steps=6)
-    assert fast == eager and worst < LOGIT_TOLERANCE
-    assert compiled.compilations == 2 and set(compiled.compile_seconds) == {1, 2}  # one more for batch size 2
-    _decode_both(model, compiled, prompt, steps=3)
-    assert compiled.compilations == 2  # batch size 1 again: no new graph
-    _decode_both(model, compiled, torch.tensor([[7]]), steps=3)  # a 1-entry cache: dynamo specialises size 1
+    # a 16-piece on an empty cache, a 4-piece on a cache, one-token steps on a cache of any length (it grows)
     assert compiled.compilations == 3
+    eager, fast, worst = _generate_both(model, compiled, torch.tensor([text[40:77]]), steps=4)  # 16 + 16 + 4 + 1
+    assert fast == eager and worst < LOGIT_TOLERANCE
+    assert compiled.compilations == 4  # only the 16-piece on a non-empty cache is new
+    _generate_both(model, compiled, torch.tensor([text[1:38]]), steps=3)
+    assert compiled.compilations == 4  # warm: no graph however the lengths vary
+    pair = torch.tensor([text[:9], text[50:59]])  # 4 + 4 + 1 on two rows; decode at batch 2
+    eager, fast, worst = _generate_both(model, compiled, pair, steps=4)
+    assert fast == eager and worst < LOGIT_TOLERANCE
+    assert compiled.compilations == len(compiled.compile_seconds)  # every graph built once, for its own key
     with pytest.raises(ValueError, match="token ids"):
         compiled(torch.tensor([[10**6]]), model.new_state(1))
-    with pytest.raises(ValueError, match=r"\[B, 1\]"):
-        compiled(torch.tensor([[1, 2]]), model.new_state(1))
+    with pytest.raises(ValueError, match=r"\[B, T\]"):
+        compiled.decode_step(torch.zeros(1, 1, 3), model.new_state(1))
+
+
+def test_tuned_decode_equals_eager_and_recompiles_when_the_frozen_weights_change():
+    """Freezing makes the weights constants of the graph: an in-place update must not leave a stale graph."""
+    model = serving.model()
+    compiled = CompiledModel(model, sizes=(4, 1))
+    prompt = torch.tensor([serving.prompts()[2][:8]])
+    eager, fast, worst = _generate_both(model, compiled, prompt, steps=5)
+    assert fast == eager and worst < LOGIT_TOLERANCE
+    assert compiled.decode_step.compilations == 1
+    with torch.no_grad():
+        model.lm_head.weight.mul_(-1.0)  # every greedy choice changes
+    eager_after, fast_after, worst = _generate_both(model, compiled, prompt, steps=5)
+    assert fast_after == eager_after != eager and worst < LOGIT_TOLERANCE
+    assert compiled.decode_step.compilations == 2  # the frozen graph, built again once
 
 
 @pytest.mark.slow
@@ -69,36 +94,37 @@ def test_compiled_decode_of_a_qat_model_equals_eager():
     config = dataclasses.replace(preset("tiny"), mx=dataclasses.replace(QAT_MX))
     torch.manual_seed(0)
     model = K3ForCausalLM(config).eval()
-    eager, fast, worst = _decode_both(model, CompiledDecode(model), torch.tensor([[5, 9, 3, 7]]), steps=6)
+    eager, fast, worst = _generate_both(model, CompiledModel(model, tuned=False), torch.tensor([[5, 9, 3, 7]]), 6)
     assert fast == eager and worst < LOGIT_TOLERANCE
 
 
+@pytest.mark.slow
 def test_k3_generate_compile_gives_the_eager_text_and_imports_no_compiler_without_it(tmp_path):
     from k3.model.checkpoint import save_model
 
     save_model(tmp_path / "ckpt", serving.model(), serving.tokenizer())
     command = [sys.executable, "-c", "import sys; from k3.cli import main; rc = main(sys.argv[1:]); "
                "print('inductor imported:', 'torch._inductor' in sys.modules); sys.exit(rc)",
-               "generate", "--ckpt", str(tmp_path / "ckpt"), "--prompt", "def f", "--max-tokens", "12",
-               "--temperature", "0"]
+               "generate", "--ckpt", str(tmp_path / "ckpt"), "--prompt", "def decode(self, s):", "--max-tokens",
+               "12", "--temperature", "0"]
     eager = subprocess.run(command, capture_output=True, text=True, timeout=600)
     compiled = subprocess.run([*command, "--compile"], capture_output=True, text=True, timeout=600)
     assert eager.returncode == 0 and compiled.returncode == 0, compiled.stderr[-2000:]
     text = eager.stdout.replace("inductor imported: False", "")
     assert "inductor imported: False" in eager.stdout  # --compile absent: no compiler import cost
     assert compiled.stdout.replace("inductor imported: True", "") == text
-    assert "first compiled decode step" in compiled.stderr
+    assert "compiled graphs" in compiled.stderr
 
 
-def test_engine_with_the_compiled_decode_step_gives_eager_tokens_with_one_graph_per_bucket(tok):
-    """Requests of unequal lengths join a running batch one per step and leave as they finish: every decode batch
-    size from 1 to 6 occurs, padded to the buckets 1, 2, 4 and 8 — four graphs — and every request's greedy tokens
-    equal the eager engine's."""
-    from k3.serve.compiled import BucketedDecode
+def test_engine_compiled_gives_eager_tokens_in_mixed_steps_with_a_graph_per_bucket(tok):
+    """Requests of unequal lengths join a running batch one per step — their 16-token prefill chunks run in the
+    same steps as the others' decode rows — and leave as they finish: decode batches of 1 to 6 rows padded to the
+    buckets 1, 2, 4 and 8, prefill chunks cut into 16-, 4- and 1-token pieces. Every request's greedy tokens equal
+    the eager engine's, and no shape key is ever compiled twice."""
     from k3.serve.engine import Engine, SamplingParams
 
     model = serving.model()
-    prompts = [p for p in serving.prompts() if len(p) > 1][:6]  # a 1-token prompt specialises its own graph
+    prompts = [p for p in serving.prompts() if len(p) > 1][:6]  # 5, 17, 33, 64, 120, 9 tokens
     params = [SamplingParams(max_tokens=6 + 2 * i, temperature=0) for i in range(len(prompts))]
 
     def run(engine: Engine) -> list[list[int]]:
@@ -110,7 +136,9 @@ def test_engine_with_the_compiled_decode_step_gives_eager_tokens_with_one_graph_
             engine.step()
         return [tokens[i] for i in range(len(prompts))]
 
-    decode = BucketedDecode(model)
-    assert run(Engine(model, tok, decode=decode)) == run(Engine(model, tok))
-    assert set(decode.step.compile_seconds) <= {1, 2, 4, 8} and decode.step.compilations == \
-        len(decode.step.compile_seconds)
+    compiled = CompiledModel(model, tuned=False)
+    assert run(Engine(model, tok, prefill_chunk=16, compile=compiled)) == run(Engine(model, tok, prefill_chunk=16))
+    keys = compiled.compile_seconds
+    assert compiled.compilations == len(keys)
+    assert {key[1] for key in keys if key[0] == "decode"} <= {1, 2, 4, 8}
+    assert {key[2] for key in keys if key[0] == "prefill"} <= {16, 4}

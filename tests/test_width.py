@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from k3.config import K3Config, SiTUConfig, moe_layer_parameters, preset
-from k3.model.width import GLU, Experts, LatentMoE, Router, build_ffn, situ, soft_cap
+from k3.model.width import GLU, Experts, LatentMoE, Router, build_ffn, situ, soft_cap, top_k_first, top_k_sorted
 from peers import transformers_kimi_linear
 
 CAPS = SiTUConfig()  # gate cap 4, up cap 25
@@ -215,6 +215,19 @@ def test_ties_go_to_the_lower_expert_index():
     assert idx.tolist() == [[3, 9, 12, 0, 1]] * 2
 
 
+@settings(max_examples=80, deadline=None)
+@given(st.integers(1, 12), st.data())
+def test_compiled_top_k_chooses_what_the_stable_sort_chooses_ties_included(n, data):
+    """`top_k_first` (k argmax passes, what a compiled router runs) picks exactly the stable descending sort's
+    first k — the reference is the explicit (value, index) order — with values from a small set, so ties abound."""
+    k = data.draw(st.integers(1, n))
+    rows = data.draw(st.lists(st.lists(st.sampled_from([0.0, 0.25, 0.5, 1.0, -3.0]), min_size=n, max_size=n),
+                              min_size=1, max_size=4))
+    values = torch.tensor(rows, dtype=torch.float64)
+    expected = [sorted(range(n), key=lambda j: (-row[j], j))[:k] for row in rows]
+    assert top_k_first(values, k).tolist() == expected == top_k_sorted(values, k).tolist()
+
+
 def test_router_statistics():
     r = Router(8, 6, 3)
     x = torch.randn(11, 8)
@@ -253,8 +266,10 @@ def check_dispatch(n, e, k, w, f, activation, dtype, seed):
     tol = 1e-12 if dtype == torch.float64 else 1e-5
     ref = ref_dispatch(ex, x, weights, indices)
     torch.testing.assert_close(ex(x, weights, indices), ref, rtol=tol, atol=tol)
-    # both dispatch paths, whichever forward picks for this shape: sorted by expert, and dense
+    # every dispatch path, whichever forward picks for this shape: sorted by expert, dense, and the compiled
+    # decode's gathered weights (`k3.model.compiled`)
     torch.testing.assert_close(ex._dense(x, weights, indices), ref, rtol=tol, atol=tol)
+    torch.testing.assert_close(ex._gathered(x, weights, indices), ref, rtol=tol, atol=tol)
     sorted_only = Experts.DENSE_LIMIT
     try:
         Experts.DENSE_LIMIT = 0

@@ -191,19 +191,20 @@ def _generate(args: argparse.Namespace) -> int:
 
     model, tokenizer = _load(args.ckpt)
     prompt = tokenizer.encode(args.prompt) or [tokenizer.bos_id]
-    decode = None
+    compiled = None
     if args.compile:
-        from k3.model.compiled import CompiledDecode
+        from k3.model.compiled import CompiledModel
 
-        decode = CompiledDecode(model)
+        compiled = CompiledModel(model)
     print(args.prompt, end="", flush=True)
     ids: list[int] = []
     for token in stream(model, prompt, args.max_tokens, args.temperature, args.top_p, args.top_k, args.seed,
-                        stop_ids=(tokenizer.eos_id,), decode=decode):
+                        stop_ids=(tokenizer.eos_id,), step=compiled):
         ids.append(token)
     print(tokenizer.decode(ids))
-    if decode is not None and decode.compile_seconds:
-        print(f"k3: first compiled decode step {decode.compile_seconds[1]:.1f} s", file=sys.stderr)
+    if compiled is not None:
+        print(f"k3: {compiled.compilations} compiled graphs, {sum(compiled.compile_seconds.values()):.1f} s of "
+              f"first calls", file=sys.stderr)
     return 0
 
 
@@ -215,14 +216,9 @@ def _engine(args: argparse.Namespace, **options):
     cache = None if args.no_prefix_cache else PrefixCache.for_model(
         model, tokenizer, int(args.prefix_cache_gb * 2**30), args.cache_block_tokens, args.cache_checkpoint_every,
         args.cache_page_blocks)
-    decode = None
-    if args.compile:
-        from k3.serve.compiled import BucketedDecode
-
-        decode = BucketedDecode(model)
     return Engine(model, tokenizer, max_model_len=args.max_model_len, max_batch=args.max_batch,
                   prefill_chunk=args.prefill_chunk, prefix_cache=cache, drafter=_drafter(args, model),
-                  num_draft_tokens=args.num_draft_tokens, decode=decode, **options)
+                  num_draft_tokens=args.num_draft_tokens, compile=args.compile, **options)
 
 
 def _drafter(args: argparse.Namespace, target):
@@ -528,8 +524,9 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--top-p", type=float, default=0.95)
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int)
-    gen.add_argument("--compile", action="store_true", help="decode with a torch.compile'd step (inductor; compiled "
-                     "once, cached on disk; the prompt's prefill stays eager)")
+    gen.add_argument("--compile", action="store_true", help="prefill and decode through torch.compile'd graphs "
+                     "(inductor; the prompt in pieces of 64/16/4/1 tokens; ~45 s per new graph, kernels cached on "
+                     "disk)")
     gen.set_defaults(run=_generate)
     for name, help_, run in (("serve", "an OpenAI-compatible HTTP server for a checkpoint", _serve),
                              ("chat", "chat with a checkpoint in the terminal", _chat)):
@@ -548,8 +545,9 @@ def main(argv: list[str] | None = None) -> int:
                          "checkpoint with the same vocabulary")
         sub.add_argument("--num-draft-tokens", type=_positive(int), default=4,
                          help="tokens drafted per step with --draft (default %(default)s)")
-        sub.add_argument("--compile", action="store_true", help="decode steps through a torch.compile'd graph, "
-                         "batches padded to 1, 2, 4 … 32 rows (one compilation each, on first use)")
+        sub.add_argument("--compile", action="store_true", help="decode and prefill-chunk steps through "
+                         "torch.compile'd graphs: decode batches padded to 1, 2, 4 … 32 rows, chunks cut into "
+                         "64/16/4/1-token pieces (one compilation each, on first use)")
         cache = sub.add_argument_group("prefix cache (README, 'Prefix cache')")
         cache.add_argument("--prefix-cache-gb", type=_positive(float, zero=True), default=1.0,
                            help="bytes for cached MLA pages and KDA checkpoints, in GiB (default: %(default)s)")

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from k3.model.lm import K3ForCausalLM
+from k3.model.state import DecoderState
 
 
 def _check(temperature: float, top_p: float, top_k: int, min_p: float) -> None:
@@ -58,16 +59,21 @@ def sample_next(logits: Tensor, temperature: float = 1.0, top_p: float = 1.0, to
 @torch.no_grad()
 def stream(model: K3ForCausalLM, prompt: list[int], max_tokens: int, temperature: float = 1.0,
            top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
-           stop_ids: tuple[int, ...] = (), decode: Callable | None = None) -> Iterator[int]:
+           stop_ids: tuple[int, ...] = (), step: Callable | None = None) -> Iterator[int]:
     """Yield up to ``max_tokens`` sampled token ids after ``prompt`` (a stop id ends the stream, unyielded).
-    ``decode(input_ids, state)`` runs the one-token steps (default: the model; `k3.model.compiled.CompiledDecode`)."""
+    ``step(input_ids, state) -> (last-position logits [1, V], state)`` runs the prefill and the decode steps
+    (default: the model; `k3.model.compiled.CompiledModel` compiles them)."""
     if not prompt:
         raise ValueError("prompt: at least one token is needed")
+    if step is None:
+        def step(input_ids: Tensor, state: DecoderState) -> tuple[Tensor, DecoderState]:
+            logits, state = model(input_ids, state=state)
+            return logits[:, -1], state
     generator = None if seed is None else torch.Generator().manual_seed(seed)
-    logits, state = model(torch.tensor([prompt]), state=model.new_state(1))
+    logits, state = step(torch.tensor([prompt]), model.new_state(1))
     for _ in range(max_tokens):
-        token = sample_next(logits[:, -1], temperature, top_p, top_k, generator)
+        token = sample_next(logits, temperature, top_p, top_k, generator)
         if int(token) in stop_ids:
             return
         yield int(token)
-        logits, state = model(token.view(1, 1), state=state) if decode is None else decode(token.view(1, 1), state)
+        logits, state = step(token.view(1, 1), state)

@@ -70,6 +70,23 @@ class GLU(nn.Module):
         return self.down_proj(h)
 
 
+def top_k_sorted(values: Tensor, k: int) -> Tensor:
+    """Indices ``[N, k]`` of each row's k largest ``values [N, n]``, ties to the lower index (a stable descending
+    sort)."""
+    return torch.sort(values, dim=-1, descending=True, stable=True).indices[:, :k]
+
+
+def top_k_first(values: Tensor, k: int) -> Tensor:
+    """`top_k_sorted` for finite values as k passes of argmax (the first maximum), which a compiler fuses into one
+    kernel where a sort is a library call."""
+    picked, remaining = [], values
+    for _ in range(k):
+        index = remaining.argmax(-1, keepdim=True)
+        picked.append(index)
+        remaining = remaining.scatter(-1, index, float("-inf"))
+    return torch.cat(picked, -1)
+
+
 class Router(nn.Module):
     """Sigmoid top-k router (SPEC §4): ``s = sigmoid(x W_r)``, route = top_k(s + b), p_j = s_j / Σ_route s.
 
@@ -113,13 +130,14 @@ class Router(nn.Module):
         dtype = torch.promote_types(x.dtype, torch.float32)
         scores = torch.sigmoid(x.to(dtype) @ self.weight.to(dtype).T)
         biased = scores + self.balance_bias.to(dtype)
-        indices = torch.sort(biased, dim=-1, descending=True, stable=True).indices[:, : self.k]
+        compiling, n = torch.compiler.is_compiling(), scores.shape[-1]
+        indices = (top_k_first if compiling else top_k_sorted)(biased, self.k)  # the same indices, ties included
         chosen = scores.gather(-1, indices)
         weights = chosen / chosen.sum(-1, keepdim=True)
         self.last_scores = scores.detach()
-        flat = indices.flatten()  # a static-shape count (bincount's size depends on the data: no graph under compile)
-        self.last_load = torch.zeros(scores.shape[-1], dtype=torch.long, device=x.device).index_add_(
-            0, flat, torch.ones_like(flat)).detach()
+        flat = indices.flatten()  # static-shape counts (bincount's size depends on the data: no graph under compile)
+        self.last_load = (F.one_hot(flat, n).sum(0) if compiling else torch.zeros(n, dtype=torch.long, device=x.device)
+                          .index_add_(0, flat, torch.ones_like(flat))).detach()  # compiled: one fused reduction
         return weights, indices, scores
 
     def extra_repr(self) -> str:

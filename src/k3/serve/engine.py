@@ -43,6 +43,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from k3.model.compiled import CompiledModel
 from k3.model.image import VisualInput
 from k3.model.lm import K3ForCausalLM
 from k3.model.state import DecoderState
@@ -167,9 +168,10 @@ class Engine:
     def __init__(self, model: K3ForCausalLM, tokenizer: Tokenizer, *, max_model_len: int | None = None,
                  max_batch: int = 32, prefill_chunk: int = 64, max_waiting: int = 1024,
                  prefix_cache: PrefixCache | None = None, drafter: Drafter | None = None,
-                 num_draft_tokens: int = 4, decode: Callable[[Tensor, DecoderState], tuple] | None = None) -> None:
-        """``decode``: runs the steps whose rows all decode one token — ``(input_ids [B, 1], stacked state) ->
-        (logits [B, V], state)``, e.g. the compiled `k3.serve.compiled.BucketedDecode`; others use the model."""
+                 num_draft_tokens: int = 4, compile: bool | CompiledModel = False) -> None:
+        """``compile``: decode rows and prefill chunks run through compiled graphs (`k3.model.compiled.CompiledModel`
+        with its default buckets, or the one given); speculative verification, prompt logprobs, image chunks and
+        drafter features stay eager."""
         if tokenizer.vocab_size > model.config.vocab_size:
             raise ValueError(f"tokenizer: {tokenizer.vocab_size} ids but the model has vocab_size "
                              f"{model.config.vocab_size}")
@@ -180,7 +182,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.prefix_cache = prefix_cache
         self.drafter, self.num_draft_tokens = drafter, num_draft_tokens
-        self.decode = decode
+        self.compiled = CompiledModel(self.model) if compile is True else compile or None
         self.speculation: Counter[str] = Counter()  # runs verified, tokens drafted, drafts accepted
         self.max_model_len = min(max_model_len or model.config.context_length, model.config.context_length)
         self.max_batch = max_batch
@@ -416,7 +418,7 @@ class Engine:
             replay.append(False)
         consumed = [chunk for _, chunk in chunks] + [[r.pending, *drafts[r.id].tokens] for r in speculating] + \
             [[r.pending] for r in ready]
-        results, features = self._call(groups, full, replay, consumed, bool(ready) and not chunks and not speculating)
+        results, features = self._call(groups, full, replay, consumed)
         observe = self.drafter.observe if features is not None else (lambda *_: None)
         for (request, chunk), f in zip(chunks, features or []):
             observe(request.id, chunk, f)
@@ -454,19 +456,27 @@ class Engine:
                     done[key] = prompt_embeddings(self.model, request.prompt, request.images)
                 request.embeds = done[key]
 
-    def _call(self, groups: list, full: list[bool], replay: list[bool], consumed: list[list[int]],
-              decode_only: bool = False) -> tuple[list, list[Tensor] | None]:
+    def _call(self, groups: list, full: list[bool], replay: list[bool],
+              consumed: list[list[int]]) -> tuple[list, list[Tensor] | None]:
         """`forward_groups`; for a drafter that reads the target, also each group's features ``[T, layers, d]``
         at its consumed tokens (a decode group's rows one by one)."""
         layers = None if self.drafter is None else self.drafter.feature_layers
-        if decode_only and self.decode is not None and not layers:  # only the stacked decode rows: one token each
-            return [self.decode(*groups[0])], None
+        if self.compiled is not None and not layers:
+            return self._call_compiled(groups, full, replay), None
         if not layers:
             return self.model.forward_groups(groups, full=full, replay=replay), None
         with self.model.capture(list(layers)) as captured:
             results = self.model.forward_groups(groups, full=full, replay=replay)
             features = torch.stack([layer.captured[0] for layer in captured], dim=-2)  # [N, layers, d]
         return results, list(features.split([len(c) for c in consumed]))
+
+    def _call_compiled(self, groups: list, full: list[bool], replay: list[bool]) -> list:
+        """`forward_groups` with the decode group and the prefill chunks on compiled graphs (each group's result
+        is its own: the engine is batch-invariant); the groups a graph does not cover run eagerly, together."""
+        eager = [g for g, (ids, _) in enumerate(groups) if full[g] or replay[g] or ids.is_floating_point()]
+        results = dict(zip(eager, self.model.forward_groups([groups[g] for g in eager], full=[full[g] for g in eager],
+                                                            replay=[replay[g] for g in eager]) if eager else []))
+        return [results[g] if g in results else self.compiled(*group) for g, group in enumerate(groups)]
 
     def _verify(self, request: _Request, logits: Tensor, state: DecoderState, draft: Draft,
                 features: Tensor | None) -> None:

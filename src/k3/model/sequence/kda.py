@@ -78,7 +78,7 @@ class ShortConv(nn.Module):
             y = (full.unfold(1, width, 1) * weight).sum(-1)
         else:
             y = F.conv1d(full.transpose(1, 2), weight.unsqueeze(1), groups=C).transpose(1, 2)
-        return F.silu(y), full[:, full.shape[1] - (width - 1):]
+        return F.silu(y), full[:, full.shape[1] - (width - 1):].clone(memory_format=torch.contiguous_format)
 
 
 class KDALayer(nn.Module):
@@ -185,7 +185,9 @@ class KDALayer(nn.Module):
             o, final = kda.step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], initial)
             o = o.unsqueeze(1)
         else:
-            o, final = kda.chunked(q, k, v, g, beta, initial_state=initial, chunk_size=self.chunk_for(T))
+            floor = self.g_min if self.gate == "bounded" else float("-inf")
+            o, final = kda.chunked(q, k, v, g, beta, initial_state=initial, chunk_size=self.chunk_for(T),
+                                   decay_floor=floor)
         return self.readout(x, o), None if state is None else KDAState(conv=window, recurrent=final)
 
     def chunk_for(self, T: int) -> int:

@@ -58,6 +58,15 @@ class MLACache:
         return MLACache(torch.cat([self.latent, latent], dim=1), torch.cat([self.shared_key, shared_key], dim=1))
 
 
+def _known_equal(a: int, b: int) -> bool:
+    """``a == b`` where known: a compiled graph's symbolic cache length is not known to equal T (keep the mask)."""
+    if not torch.compiler.is_compiling():
+        return a == b
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return statically_known_true(a == b)
+
+
 class GatedMLA(nn.Module):
     """Gated MLA sequence mixer (SPEC §2, Eq. 7): ``forward(x, state) -> (y, state)``.
 
@@ -185,7 +194,7 @@ class GatedMLA(nn.Module):
         mask = self._mask(T, L, padding, q.device)
         if self.record_max_logits:
             self._record_max_logits(q, k, mask)
-        causal = L == T and mask is not None and mask.dim() == 2
+        causal = mask is not None and mask.dim() == 2 and _known_equal(L, T)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=None if causal else mask, is_causal=causal,
                                            scale=self.scale)
         return o.transpose(1, 2)
