@@ -12,6 +12,7 @@ forward. Peak memory is the case process's resident high-water mark above its st
 
     python benchmarks/kda.py                 # full sweep (~10 min on 2 cores)
     python benchmarks/kda.py --T 1024 4096   # a subset
+    python benchmarks/kda.py --impl chunked chunked_compiled --mode fwd   # writes results/kda-chunked-….json
 """
 
 from __future__ import annotations
@@ -205,7 +206,8 @@ def main() -> None:
     print(table(rows, columns))
     print()
     print(json.dumps(summary, indent=2))
-    path = write_results("kda", {"machine": machine(), "matmul_gflops": rates, "rows": rows, "summary": summary,
+    name = "kda" if args.impl == list(IMPLS) else "-".join(["kda", *args.impl])  # a subset: its own file
+    path = write_results(name, {"machine": machine(), "matmul_gflops": rates, "rows": rows, "summary": summary,
                                  "shape": {"B": B, "H": H, "K": K, "V": V, "chunk": CHUNK}})
     print(f"wrote {path}")
 

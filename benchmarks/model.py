@@ -85,12 +85,14 @@ def k3_compiled_decode(model: K3ForCausalLM, batch: int, context: int, steps: in
 
 
 def operator_profile(model: K3ForCausalLM, context: int, steps: int = 20, top: int = 12) -> list[dict]:
-    """Where a compiled batch-1 decode step's time goes: torch.profiler's self CPU time per operator (the generated
-    kernels of a graph count as the graph's own time), as ms per step and share of the step."""
+    """Where a compiled batch-1 decode step's time goes: torch.profiler's self CPU time per operator and per
+    generated C++ kernel (inductor's ``cpp.enable_kernel_profile``), as ms per step and share of the step."""
+    from torch._inductor import config as inductor
     from torch.profiler import profile
 
     from k3.model.compiled import CompiledModel
 
+    inductor.cpp.enable_kernel_profile = True  # a record per generated kernel: the graph's time, attributed
     compiled = CompiledModel(model)
     vocab = model.config.vocab_size
     with torch.no_grad():

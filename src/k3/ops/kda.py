@@ -119,21 +119,21 @@ def step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor
     """One token from a state (SPEC Eq. 1): q, k, g ``[B,H,K]``; v ``[B,H,V]``; beta ``[B,H]``.
 
     Decay, then erase along k, then write; the query reads the *updated* state. Decode's fast path
-    (tested against `recurrent`): with ``S' = Diag(α) S`` and ``δ = v − kᵀS'``, one batched product
-    gives ``[k; q]ᵀ S'``, the state update ``S' + β k δᵀ`` is one fused multiply-add into the fresh
-    ``S'``, and the output is ``qᵀS' + (q·βk) δ`` — three passes over the state instead of seven.
-    Returns ``(o [B,H,V] in v's dtype, new state [B,H,K,V])``.
+    (tested against `recurrent`): the decay moves onto the reading vectors, ``[k; q]ᵀ Diag(α) S = [α∘k;
+    α∘q]ᵀ S`` (one batched product reads the old state), ``δ = v − kᵀS'``, the new state ``α∘S + β k δᵀ``
+    is one multiply-add over it (one generated kernel when compiled), and the output is ``qᵀS' + (q·βk) δ``
+    — two passes over the state instead of seven. Returns ``(o [B,H,V] in v's dtype, new state [B,H,K,V])``.
     """
     B, H, K, V = _validate(q, k, v, g, beta, state, single_token=True)
     dtype = _compute_dtype(q, k, v, g, beta, state)
     scale = K**-0.5 if scale is None else scale
     q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
     S = q.new_zeros(B * H, K, V) if state is None else state.to(dtype).reshape(B * H, K, V)
-    S = S * g.exp().reshape(B * H, K, 1)  # Diag(α) S, a new tensor: the caller's state is never written
-    read = torch.stack([k, q], dim=2).reshape(B * H, 2, K) @ S  # [kᵀS'; qᵀS']
+    alpha = g.exp().reshape(B * H, 1, K)
+    read = (torch.stack([k, q], dim=2).reshape(B * H, 2, K) * alpha) @ S  # [kᵀS'; qᵀS'], S' = Diag(α) S
     bk = (beta.unsqueeze(-1) * k).reshape(B * H, K, 1)
     delta = v.reshape(B * H, 1, V) - read[:, :1]
-    S.baddbmm_(bk, delta)  # erase along k, then write v
+    S = torch.addcmul(S * alpha.transpose(1, 2), bk, delta)  # decay, erase along k, write v: a new tensor
     o = read[:, 1:] + (q.reshape(B * H, 1, K) @ bk) * delta
     return (o.reshape(B, H, V) * scale).to(v.dtype), S.view(B, H, K, V)
 
