@@ -35,6 +35,7 @@ from harness import copy_gbps, machine, matmul_gflops, median_seconds, table, wr
 from k3 import K3ForCausalLM  # noqa: E402
 from k3.config import count_parameters, preset  # noqa: E402
 from k3.model.roofline import decode_cost  # noqa: E402
+from k3.model.state import DecoderState  # noqa: E402
 
 
 def train_tokens_per_s(step, batch: int, seq: int) -> float:
@@ -51,12 +52,18 @@ def k3_train_step(model: K3ForCausalLM, ids: torch.Tensor):
     return step
 
 
-def k3_decode_tokens_per_s(model: K3ForCausalLM, batch: int, context: int, steps: int = 32) -> float:
-    """Prefill ``context`` tokens, then time ``steps`` single-token decode calls (batch-wide)."""
+def prefilled(model: K3ForCausalLM, batch: int, context: int) -> tuple[torch.Tensor, DecoderState]:
+    """A first decode token ``[batch, 1]`` and the state after ``context`` random prompt tokens (eager prefill)."""
     vocab = model.config.vocab_size
     with torch.no_grad():
         _, state = model(torch.randint(0, vocab, (batch, context)), state=model.new_state(batch))
-        token = torch.randint(0, vocab, (batch, 1))
+    return torch.randint(0, vocab, (batch, 1)), state
+
+
+def k3_decode_tokens_per_s(model: K3ForCausalLM, batch: int, context: int, steps: int = 32) -> float:
+    """Prefill ``context`` tokens, then time ``steps`` single-token decode calls (batch-wide)."""
+    token, state = prefilled(model, batch, context)
+    with torch.no_grad():
         model(token, state=state)  # warm-up
         start = time.perf_counter()
         for _ in range(steps):
@@ -71,10 +78,7 @@ def k3_compiled_decode(model: K3ForCausalLM, batch: int, context: int, steps: in
     from k3.model.compiled import CompiledModel
 
     compiled = CompiledModel(model)
-    vocab = model.config.vocab_size
-    with torch.no_grad():
-        _, state = model(torch.randint(0, vocab, (batch, context)), state=model.new_state(batch))
-    token = torch.randint(0, vocab, (batch, 1))
+    token, state = prefilled(model, batch, context)
     _, state = compiled.decode(token, state)  # compiles (or loads inductor's on-disk cache)
     _, state = compiled.decode(token, state)
     start = time.perf_counter()
@@ -94,10 +98,7 @@ def operator_profile(model: K3ForCausalLM, context: int, steps: int = 20, top: i
 
     inductor.cpp.enable_kernel_profile = True  # a record per generated kernel: the graph's time, attributed
     compiled = CompiledModel(model)
-    vocab = model.config.vocab_size
-    with torch.no_grad():
-        _, state = model(torch.randint(0, vocab, (1, context)), state=model.new_state(1))
-    token = torch.randint(0, vocab, (1, 1))
+    token, state = prefilled(model, 1, context)
     for _ in range(3):
         compiled.decode(token, state)
     with profile() as prof:

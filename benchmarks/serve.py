@@ -269,6 +269,7 @@ def main() -> None:
             **engine_only(ours, tokenizer, prompts[:n], max_tokens)})
     record({"model": pair, "impl": "kimi-k3 engine compiled, no HTTP", "concurrency": n,
             **engine_only(ours, tokenizer, prompts[:n], max_tokens, compiled=True)})
+    pair_config = ours.config
     del ours
     for batched in (False, True):
         record({"model": pair, "impl": f"transformers generate ({'batched' if batched else 'sequential'})",
@@ -286,7 +287,7 @@ def main() -> None:
         print(json.dumps(row), flush=True)
 
     bandwidth, flops_rate = copy_gbps() * 1e9, matmul_gflops() * 1e9
-    configs = {"small": preset("small"), pair: kimi_linear_pair(tokenizer.vocab_size)[1].config}
+    configs = {"small": preset("small"), pair: pair_config}
     for row in rows:  # the roofline of each run: its prompts and output tokens at the machine's limits
         row["roof_tokens_per_s"] = roofline(configs[row["model"]], prompts[:row["concurrency"]], max_tokens,
                                             bandwidth, flops_rate)

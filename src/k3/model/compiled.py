@@ -19,10 +19,10 @@ exact, since the state carries across pieces, and no padding token ever enters a
 ``tuned`` (the default for decode) adds inductor's freezing, its C++ GEMM templates (``max_autotune``) and its C++
 wrapper: the weights become constants of the graph, the matrix–vector products are generated code fused with their
 neighbours instead of library calls, and the kernels are called from C++ — 2.5× faster decode on CPU, ~60 s of
-compilation per graph. Frozen weights are snapshots, so a change to the
-model's parameters (an optimiser step, a `load_state_dict`) is detected at the next call, which resets
-`torch.compiler` (every compiled graph of the process) and compiles anew.
-Compiled kernels are cached on disk by inductor. Importing this module imports nothing of the compiler.
+compilation per graph. Frozen weights are snapshots, so a change to the model's parameters (an optimiser step, a
+`load_state_dict`) is detected at the next call, which resets `torch.compiler` (every compiled graph of the
+process) and compiles anew. Compiled kernels are cached on disk by inductor. Importing this module imports nothing
+of the compiler.
 """
 
 from __future__ import annotations
