@@ -11,6 +11,7 @@ from collections.abc import Callable
 from fractions import Fraction
 from pathlib import Path
 
+from k3 import cli_post
 from k3.audit import audit, format_audit
 from k3.config import PACKED_ACTIVATIONS, PRESETS, K3Config, preset
 
@@ -595,6 +596,7 @@ def main(argv: list[str] | None = None) -> int:
     ro.add_argument("--long-budget", type=_positive(int), default=4,
                     help="long requests relayed at once (429 beyond; default: %(default)s)")
     ro.set_defaults(run=_route)
+    cli_post.add_commands(commands, _positive)
     args = parser.parse_args(argv)
     args.argv = sys.argv[1:] if argv is None else argv  # `k3 serve --replicas` passes its flags on
     try:
