@@ -4,7 +4,8 @@ judged outcome of a finished trajectory — shared by RL (`k3.rl.grpo`), MOPD (`
 A trajectory of a task is the rendered conversation ``[system(effort), user]`` with the generation prompt, then the
 sampled assistant message; in an agentic task each assistant message with tool calls is answered by the task's
 `AgentEnv` (a sandbox per trajectory), whose rendered tool messages and the next generation prompt are appended as
-environment tokens. A trajectory ends at an assistant message without tool calls, a malformed one, or its budget.
+environment tokens. A trajectory ends at an assistant message without tool calls, a malformed one (one ended by
+``<|eos|>`` instead of ``<|end|>`` included: it is judged incorrect), or its budget.
 """
 
 from __future__ import annotations
@@ -176,11 +177,14 @@ def budget_base(task: Task, tokenizer: Tokenizer) -> int:
     return reference_tokens(task, "high", tokenizer)
 
 
-def evaluate(engine: Engine, tasks: Sequence[Task], effort: str, max_tokens: int, tau: float) -> dict[str, float]:
-    """Greedy held-out evaluation at ``effort``: accuracy, mean response tokens, the share within the budget
-    ``τ·b0`` and the mean budget reward (`k3.rl.rewards.budget_reward`)."""
-    outcomes = [o for _, o in greedy(engine, tasks, effort, max_tokens)]
-    bases = [budget_base(t, engine.tokenizer) for t in tasks]
+def evaluate(engine: Engine, tasks: Sequence[Task], effort: str, max_tokens: int, tau: float,
+             temperature: float = 0.0, samples: int = 1, seed: int = 0) -> dict[str, float]:
+    """Held-out evaluation at ``effort`` over ``samples`` responses per task (greedy at ``temperature`` 0, else
+    sampled with ``seed``: the policy's expected reward): accuracy, mean response tokens, the share within the
+    budget ``τ·b0`` and the mean budget reward (`k3.rl.rewards.budget_reward`)."""
+    judged = sampled(engine, tasks, effort, max_tokens, temperature, samples, seed)
+    bases = [budget_base(t, engine.tokenizer) for t in tasks for _ in range(samples)]
+    outcomes = [o for _, o in judged]
     return {"accuracy": statistics.fmean(o.correct for o in outcomes),
             "mean_tokens": statistics.fmean(o.tokens for o in outcomes),
             "within_budget": statistics.fmean(o.tokens <= tau * b for o, b in zip(outcomes, bases)),
@@ -189,16 +193,24 @@ def evaluate(engine: Engine, tasks: Sequence[Task], effort: str, max_tokens: int
 
 
 def greedy(engine: Engine, tasks: Sequence[Task], effort: str, max_tokens: int) -> list[tuple[Trajectory, Outcome]]:
-    """Each task's greedy trajectory at ``effort`` and its judgement (multi-turn tasks run their environment)."""
+    """Each task's greedy trajectory at ``effort`` and its judgement."""
+    return sampled(engine, tasks, effort, max_tokens, 0.0, 1, 0)
+
+
+def sampled(engine: Engine, tasks: Sequence[Task], effort: str, max_tokens: int, temperature: float, samples: int,
+            seed: int) -> list[tuple[Trajectory, Outcome]]:
+    """``samples`` trajectories per task at ``effort`` (task-major order) and their judgements; multi-turn tasks
+    run their environment."""
     if not tasks:
         raise ValueError("no tasks to evaluate")
     episodes = Episodes(engine.tokenizer)
-    rollouts = PartialRollouts(len(tasks), 1)
+    rollouts = PartialRollouts(len(tasks), samples)
     groups = rollouts.fill([prompt_ids(t, effort, engine.tokenizer) for t in tasks])
     for group, task in zip(groups, tasks):
         episodes.add(group, task, effort)
+    params = sampling(engine.tokenizer, temperature, seed=seed if temperature > 0 else None)
     try:
-        run_iteration(engine, rollouts, sampling(engine.tokenizer, 0.0), 0, 1.0, max_tokens, episodes.observe)
-        return [(traj, episodes.judge(traj)) for (traj,) in rollouts.complete_groups()]
+        run_iteration(engine, rollouts, params, 0, 1.0, max_tokens, episodes.observe)
+        return [(traj, episodes.judge(traj)) for group in rollouts.complete_groups() for traj in group]
     finally:
         episodes.close()

@@ -11,8 +11,9 @@ step minimises `policy_loss` over every sampled token of those groups, with the 
 sampling (tokens of older policy versions are weighted by the clipped ratio). The policy version is the number of
 optimiser steps taken; every token carries the version that sampled it.
 
-Held-out: greedy answers to the domains' test tasks at the evaluation effort (accuracy, mean tokens, share within
-budget, budget reward), at the start and every ``eval_every`` iterations. A run resumes exactly from its newest
+Held-out: K sampled answers to each of the domains' test tasks at the evaluation effort and the run's temperature
+(a fixed seed) — accuracy, mean tokens, share within budget and budget reward, the policy's expected reward that
+RL maximises — at the start and every ``eval_every`` iterations. A run resumes exactly from its newest
 checkpoint: weights, optimiser, RNG, the rollouts in flight with their paused environments (sandbox checkpoints).
 """
 
@@ -37,7 +38,9 @@ ANNEAL = "anneal"
 @dataclass
 class RLConfig:
     """An RL run (module docstring). ``effort``: one of `EFFORTS` (a teacher of that effort) or ``"anneal"``;
-    ``prompts`` × ``samples`` = N × K; ``lam`` the partial-rollout pause fraction (1: wait for every trajectory)."""
+    ``prompts`` × ``samples`` = N × K; ``lam`` the partial-rollout pause fraction (1: wait for every trajectory);
+    ``max_tokens`` bounds a whole trajectory, environment replies included. The log-probabilities recorded at
+    sampling are the untempered policy's, so a ``temperature`` other than 1 makes the update slightly off-policy."""
 
     ckpt: str = ""
     out: str = "runs/rl"
@@ -129,11 +132,14 @@ class RLRun(OnPolicyRun):
                 "mean_tokens": statistics.fmean(lengths)}
 
     def evaluate(self) -> dict[str, float]:
-        """Held-out metrics per domain at the evaluation effort, and their means (``eval_reward`` etc.)."""
-        effort = self.config.eval_effort
+        """Held-out metrics per domain at the evaluation effort — the policy's expected reward, from K samples per
+        test task at the run's temperature (a fixed seed, the same at every evaluation) — and their means."""
+        cfg = self.config
+        effort = cfg.eval_effort
         out: dict[str, float] = {}
         for domain, tasks in self.eval_tasks.items():
-            for key, value in evaluate(self.engine, tasks, effort, self.config.max_tokens, EFFORT_TAU[effort]).items():
+            for key, value in evaluate(self.engine, tasks, effort, cfg.max_tokens, EFFORT_TAU[effort],
+                                       cfg.temperature, cfg.samples, cfg.seed).items():
                 out[f"eval_{domain}_{key}"] = value
         for key in ("accuracy", "mean_tokens", "within_budget", "reward"):
             out[f"eval_{key}"] = statistics.fmean(out[f"eval_{d}_{key}"] for d in self.eval_tasks)
@@ -144,7 +150,7 @@ def _interleave(lists: list[list[Task]]) -> list[Task]:
     return [task for row in zip(*lists) for task in row]
 
 
-PANELS = (("held-out (greedy)", ("eval_accuracy", "eval_within_budget", "eval_reward")),
+PANELS = (("held-out (K samples per task)", ("eval_accuracy", "eval_within_budget", "eval_reward")),
           ("training rollouts", ("reward", "accuracy")),
           ("response tokens", ("mean_tokens", "eval_mean_tokens")),
           ("partial rollouts", ("idle", "stale_token_fraction")))

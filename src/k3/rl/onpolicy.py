@@ -132,6 +132,7 @@ class OnPolicyRun:
         sandboxes = self.out / "sandboxes" / f"step-{self.iteration_index:07d}"
         envs = {}
         for traj_id in self.episodes.envs:
+            sandboxes.mkdir(parents=True, exist_ok=True)
             path = sandboxes / traj_id.replace("/", "-")
             envs[traj_id] = {"sandbox": str(path.relative_to(self.out)), **self.episodes.save_env(traj_id, path)}
         progress = {"iteration": self.iteration_index, "version": self.version, "cursor": self.cursor,
