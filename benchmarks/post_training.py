@@ -17,7 +17,7 @@ locally generated, locally verified math / code / agentic tasks, with a ``tiny``
    sampled tokens/s and the fraction of batch slots left idle (the paper's motivation: long-tail trajectories idle
    the fleet).
 
-    python benchmarks/post_training.py            # ~15 min on 2 cores
+    python benchmarks/post_training.py            # ~20 min on 2 cores
 """
 
 from __future__ import annotations
@@ -95,10 +95,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--n-per", type=int, default=300)
     parser.add_argument("--sft-steps", type=int, default=500)
-    parser.add_argument("--rl-steps", type=int, default=10)
-    parser.add_argument("--distill-steps", type=int, default=10)
-    parser.add_argument("--eval-tasks", type=int, default=16)
+    parser.add_argument("--rl-steps", type=int, default=30)
+    parser.add_argument("--distill-steps", type=int, default=20)
+    parser.add_argument("--eval-tasks", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--lr", type=float, default=3e-4, help="RL and MOPD learning rate (AdamW)")
     parser.add_argument("--rollout-iterations", type=int, default=4)
     parser.add_argument("--rollout-max-tokens", type=int, default=192)
     parser.add_argument("--keep", help="keep the runs in this directory (default: a temporary one)")
@@ -131,7 +132,7 @@ def main() -> None:
         for e in EFFORTS:
             run_rl(RLConfig(ckpt=str(root / "sft"), out=str(teachers / f"{d}-{e}"), domains=[d], effort=e,
                             steps=args.rl_steps, prompts=8, samples=4, lam=0.75, max_tokens=args.max_tokens,
-                            lr=1e-4, eval_tasks=args.eval_tasks, eval_every=args.rl_steps, ckpt_every=args.rl_steps,
+                            lr=args.lr, eval_tasks=args.eval_tasks, eval_every=args.rl_steps, ckpt_every=args.rl_steps,
                             progress=False))
             before, after = rl_reward(teachers / f"{d}-{e}", d)
             greedy = held_out(teachers / f"{d}-{e}", args.eval_tasks, args.max_tokens, [(d, e)])[(d, e)]
@@ -141,7 +142,7 @@ def main() -> None:
 
     start = time.perf_counter()
     run_distill(DistillConfig(ckpt=str(root / "sft"), teachers=str(teachers), out=str(root / "mopd"),
-                              steps=args.distill_steps, prompts=18, max_tokens=args.max_tokens, lr=1e-4,
+                              steps=args.distill_steps, prompts=18, max_tokens=args.max_tokens, lr=args.lr,
                               eval_tasks=args.eval_tasks, eval_every=args.distill_steps,
                               ckpt_every=args.distill_steps, progress=False))
     timings["distill_s"] = time.perf_counter() - start
