@@ -26,6 +26,7 @@ import torch
 
 from k3.model import checkpoint as model_ckpt
 from k3.model.lm import K3ForCausalLM
+from k3.rl import stage
 from k3.rl.domains import DOMAINS, EFFORTS, Task, generate
 from k3.rl.episode import greedy
 from k3.rl.onpolicy import OnPolicyRun, run_stage, training_batch
@@ -65,10 +66,8 @@ class DistillConfig:
     def validate(self) -> DistillConfig:
         if self.samples != 1:
             raise ValueError(f"distill.samples = {self.samples!r} is invalid: MOPD samples once per prompt")
-        for name in ("steps", "prompts", "max_tokens", "train_tasks", "eval_tasks", "eval_every", "ckpt_every"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"distill.{name} = {value!r} is invalid: must be a positive integer")
+        stage.check_counts(self, "distill", ("steps", "prompts", "max_tokens", "train_tasks", "eval_tasks",
+                                             "eval_every", "ckpt_every"))
         if not self.ckpt or not self.teachers or not self.out:
             raise ValueError("distill.ckpt, distill.teachers and distill.out are required: paths")
         for name, values, allowed in (("domains", self.domains, DOMAINS), ("efforts", self.efforts, EFFORTS)):

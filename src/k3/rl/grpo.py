@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from k3.rl import stage
 from k3.rl.domains import DOMAINS, EFFORTS, Task, generate
 from k3.rl.episode import budget_base, evaluate, reference_tokens
 from k3.rl.onpolicy import OnPolicyRun, run_stage, training_batch
@@ -65,11 +66,8 @@ class RLConfig:
     progress: bool = True
 
     def validate(self) -> RLConfig:
-        for name in ("steps", "prompts", "samples", "max_tokens", "train_tasks", "eval_tasks", "eval_every",
-                     "ckpt_every"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"rl.{name} = {value!r} is invalid: must be a positive integer")
+        stage.check_counts(self, "rl", ("steps", "prompts", "samples", "max_tokens", "train_tasks", "eval_tasks",
+                                        "eval_every", "ckpt_every"))
         if not self.ckpt or not self.out:
             raise ValueError("rl.ckpt and rl.out are required: paths")
         if not self.domains or not set(self.domains) <= set(DOMAINS) or len(set(self.domains)) != len(self.domains):

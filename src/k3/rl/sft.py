@@ -199,10 +199,7 @@ class SFTConfig:
     progress: bool = True
 
     def validate(self) -> SFTConfig:
-        for name in ("steps", "batch_size", "seq_len", "eval_every", "ckpt_every"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"sft.{name} = {value!r} is invalid: must be a positive integer")
+        stage.check_counts(self, "sft", ("steps", "batch_size", "seq_len", "eval_every", "ckpt_every"))
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"sft.seed = {self.seed!r} is invalid: must be an integer")
         for name in ("ckpt", "data", "out"):
@@ -213,9 +210,6 @@ class SFTConfig:
                              f"{self.weight_decay}")
         if not 0 < self.val_fraction < 1:
             raise ValueError(f"sft.val_fraction = {self.val_fraction!r} is invalid: must be in (0, 1)")
-        if self.threads is not None and (isinstance(self.threads, bool) or not isinstance(self.threads, int)
-                                         or self.threads < 1):
-            raise ValueError(f"sft.threads = {self.threads!r} is invalid: a positive integer or None")
         self.optim_config()
         return self
 

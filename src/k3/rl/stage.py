@@ -33,6 +33,17 @@ def check_resumable(path: Path, saved: dict[str, Any], config: dict[str, Any], m
                              f"{value!r} was requested")
 
 
+def check_counts(config: Any, prefix: str, names: Sequence[str]) -> None:
+    """Each of ``names`` a positive integer and ``config.threads`` None or one (ValueError naming the field)."""
+    for name in names:
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{prefix}.{name} = {value!r} is invalid: must be a positive integer")
+    threads = config.threads
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise ValueError(f"{prefix}.threads = {threads!r} is invalid: a positive integer or None")
+
+
 def _logged_step(line: str) -> int:
     try:
         return int(json.loads(line)["step"])
