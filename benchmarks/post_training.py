@@ -17,7 +17,7 @@ locally generated, locally verified math / code / agentic tasks, with a ``tiny``
    sampled tokens/s and the fraction of batch slots left idle (the paper's motivation: long-tail trajectories idle
    the fleet).
 
-    python benchmarks/post_training.py            # ~20 min on 2 cores
+    python benchmarks/post_training.py            # ~11 min on 2 cores
 """
 
 from __future__ import annotations
