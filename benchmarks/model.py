@@ -236,7 +236,8 @@ def main() -> None:
                     print(json.dumps(rows[-1]), flush=True)
 
     torch.manual_seed(0)
-    profile_rows = operator_profile(K3ForCausalLM(variants["small"]).eval(), 512)
+    profiled = K3ForCausalLM(variants["small"]).eval()
+    profile_rows = [{"context": context, **row} for context in contexts for row in operator_profile(profiled, context)]
 
     def find(model, impl, task, context=512, batch=1):
         return next(r["tokens_per_s"] for r in rows if (r["model"], r["impl"], r["task"], r["context"], r["batch"])
@@ -259,8 +260,8 @@ def main() -> None:
                        ("context", "context"), ("tokens_per_s", "tokens/s"), ("step_ms", "ms / step"),
                        ("roof_ms", "roofline ms"), ("bound", "bound"), ("roof_fraction", "of roof"),
                        ("compile_s", "first call s")]))
-    print("\nwhere the compiled batch-1 decode step of small goes (context 512, torch.profiler self CPU time):")
-    print(table(profile_rows, [("operator", "operator"), ("calls_per_step", "calls / step"),
+    print("\nwhere the compiled batch-1 decode step of small goes (torch.profiler self CPU time):")
+    print(table(profile_rows, [("context", "context"), ("operator", "operator"), ("calls_per_step", "calls / step"),
                                ("ms_per_step", "ms / step"), ("share", "share")]))
     print(json.dumps(summary, indent=2))
     path = write_results("model", {"machine": machine(), "copy_gbps": bandwidth / 1e9,

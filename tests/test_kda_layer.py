@@ -163,7 +163,7 @@ def test_bounded_gate_init_keeps_every_channel_live(name):
     assert (slope > 1e-5).all(), f"{(slope <= 1e-5).double().mean():.1%} of channels have a dead gate"
     assert logit.median().abs() < 0.5 and (logit < -2).any() and (logit > 2).any()
     # The same gradient reaches dt_bias through the layer's own gate (∂logit/∂dt_bias = e^A = 1 at init).
-    layer.decay(x).exp().sum().backward()
+    layer.decay(layer.f_a_proj(x)).exp().sum().backward()
     expected = -slope.sum((0, 1)).flatten()
     torch.testing.assert_close(layer.dt_bias.grad.double(), expected, rtol=1e-4, atol=0)
 
@@ -172,7 +172,8 @@ def test_bounded_gate_init_median_channel_is_the_seeds_slider_centre():
     """Seeds (KDA slider): logit 0 → g = −2.5, α = e^−2.5 ≈ 0.0821; retention strictly inside (e^−5, 1)."""
     torch.manual_seed(0)
     layer = KDALayer(gate_config("paper-gate")).double()
-    g = layer.decay(torch.zeros(1, 1, 64, dtype=torch.float64))  # z = 0: g = −5·σ(dt_bias), 12,288 channels
+    # z = 0: g = −5·σ(dt_bias), 12,288 channels
+    g = layer.decay(torch.zeros(1, 1, layer.f_a_proj.out_features, dtype=torch.float64))
     assert abs(g.median().item() + 2.5) < 0.05
     assert g.exp().median().item() == pytest.approx(0.0821, abs=0.005)
     assert (g.exp() > math.exp(-5)).all() and (g.exp() < 1).all()

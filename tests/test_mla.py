@@ -151,7 +151,7 @@ def test_absorbed_equals_full(name, dtype, tol, L0, T):
     assert c_full.length == c_abs.length == L0 + T
     assert torch.equal(c_full.latent, c_abs.latent) and torch.equal(c_full.shared_key, c_abs.shared_key)
     # the two attention methods on the same queries and cache
-    q, c_kv, k_s = m._project(x[:, L0:])
+    q, c_kv, k_s, _ = m._project(x[:, L0:])
     kv = state.append(c_kv, k_s)
     torch.testing.assert_close(m._attend_absorbed(q, kv), m._attend_full(q, kv), **tol)
 

@@ -42,7 +42,7 @@ def logits_max(m: GatedMLA, x: torch.Tensor) -> torch.Tensor:
 
 def head_outputs(m: GatedMLA, x: torch.Tensor) -> torch.Tensor:
     """Per-head attention outputs [B, T, H, v] before the gate and o_proj."""
-    q, c_kv, k_s = m._project(x)
+    q, c_kv, k_s, _ = m._project(x)
     return m._attend_full(q, MLACache(c_kv, k_s))
 
 

@@ -142,10 +142,11 @@ class ContextParallel:
     def kda(self, layer: KDALayer, x: Tensor) -> Tensor:
         """One KDA layer on this rank's segment ``x`` ``[B, T_r, d]``: the ShortConv continues from the halo of the
         earlier ranks' projected inputs, the recurrence from the composed summaries (`kda_context_parallel`)."""
-        conv_in = layer.conv_inputs(x)
-        f, _ = layer.features(x, conv_halo(conv_in, layer.conv.weight.shape[1], self.group), conv_in)
+        projected = layer.projections(x)
+        halo = conv_halo(projected.conv_in, layer.conv.weight.shape[1], self.group)
+        f, _ = layer.features(projected, halo)
         o, _ = kda_context_parallel(f.q, f.k, f.v, f.g, f.beta, chunk_size=layer.chunk_size, group=self.group)
-        return layer.readout(x, o)
+        return layer.readout(projected, o)
 
     def mla(self, layer: GatedMLA, x: Tensor) -> Tensor:
         """One MLA layer on this rank's segment (`mla_context_parallel`)."""

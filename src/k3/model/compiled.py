@@ -17,12 +17,13 @@ weights live and how often they were written), so a call that might need a new g
 exact, since the state carries across pieces, and no padding token ever enters a state.
 
 ``tuned`` (the default for decode) adds inductor's freezing, its C++ GEMM templates (``max_autotune``) and its C++
-wrapper: the weights become constants of the graph, the matrix–vector products are generated code fused with their
-neighbours instead of library calls, and the kernels are called from C++ — 2.5× faster decode on CPU, ~60 s of
-compilation per graph. Frozen weights are snapshots, so a change to the model's parameters (an optimiser step, a
-`load_state_dict`) is detected at the next call, which resets `torch.compiler` (every compiled graph of the
-process) and compiles anew. Compiled kernels are cached on disk by inductor. Importing this module imports nothing
-of the compiler.
+wrapper: the weights become constants of the graph, the products of one input are one product on the stacked
+weights (`k3.model.projections.fused`, stacked once at compilation), the matrix–vector products are generated
+code fused with their neighbours instead of library calls, and the kernels are called from C++ — 2.5× faster decode
+on CPU, ~60 s of compilation per graph. Frozen weights are snapshots, so a change to the model's parameters (an
+optimiser step, a `load_state_dict`) is detected at the next call, which resets `torch.compiler` (every compiled
+graph of the process) and compiles anew. Compiled kernels are cached on disk by inductor. Importing this module
+imports nothing of the compiler.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import torch
 from torch import Tensor
 
 from k3.model.lm import K3ForCausalLM
+from k3.model.projections import fused
 from k3.model.sequence.mla import MLACache
 from k3.model.state import DecoderState
 
@@ -114,7 +116,9 @@ class CompiledStep:
 
             stance = inductor.patch(self._options())
         start = time.perf_counter()
-        with stance:  # the token count is bookkeeping outside the graph (a Python int the graph would specialise on)
+        # frozen weights: the products of one input run as one (`k3.model.projections`); the token count is
+        # bookkeeping outside the graph (a Python int the graph would specialise on)
+        with stance, fused(self.tuned):
             logits, after = self._compiled(input_ids, replace(state, position=0))
         self._warm.add(key)
         if self.compilations > built:

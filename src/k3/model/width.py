@@ -14,6 +14,7 @@ from torch import Tensor, nn
 
 from k3.config import K3Config, MXConfig, SiTUConfig
 from k3.model.norm import RMSNorm
+from k3.model.projections import project
 from k3.ops import mx
 
 ACTIVATIONS = ("situ", "swiglu")
@@ -66,8 +67,11 @@ class GLU(nn.Module):
             nn.init.normal_(proj.weight, std=self.std)
 
     def forward(self, x: Tensor) -> Tensor:
-        h = _activate(self.gate_proj(x), self.up_proj(x), self.activation, self.gate_cap, self.up_cap)
-        return self.down_proj(h)
+        return self.down(*project(x, self.gate_proj, self.up_proj))
+
+    def down(self, gate: Tensor, up: Tensor) -> Tensor:
+        """The output from the gate and up projections ``x W_gate``, ``x W_up``."""
+        return self.down_proj(_activate(gate, up, self.activation, self.gate_cap, self.up_cap))
 
 
 def top_k_sorted(values: Tensor, k: int) -> Tensor:
@@ -302,13 +306,16 @@ class LatentMoE(nn.Module):
         """x [..., d] → [..., d]."""
         flat = x.reshape(-1, x.shape[-1])
         weights, indices, _ = self.router(flat)
-        h = flat if self.latent_down is None else self.latent_down(flat)
+        shared = [] if self.shared is None else [self.shared.gate_proj, self.shared.up_proj]
+        latent = [] if self.latent_down is None else [self.latent_down]
+        projected = project(flat, *latent, *shared)  # the products of x, in one where `project` stacks them
+        h = projected.pop(0) if latent else flat
         # α scales the routing weights, before the latent norm (SPEC §10; equal to α·y without a latent)
         y = self.experts(h, weights * self.routed_scaling_factor, indices)
         if self.latent_up is not None:
             y = self.latent_up(self.latent_norm(y))
         if self.shared is not None:
-            y = self.shared(flat) + y
+            y = self.shared.down(*projected) + y
         return y.reshape(x.shape)
 
 

@@ -11,6 +11,7 @@ from torch import Tensor, nn
 
 from k3.config import K3Config
 from k3.model.norm import RMSNorm
+from k3.model.projections import project
 from k3.ops import kda
 
 
@@ -28,6 +29,16 @@ class KDAState:
 
     conv: Tensor  # [B, conv_size - 1, 2·H·d_k + H·d_v]: the last projected (pre-conv) inputs
     recurrent: Tensor  # [B, H, d_k, d_v], fp32 (fp64 for an fp64 model)
+
+
+@dataclass
+class KDAProjections:
+    """What the layer input ``x`` ``[B, T, d]`` is multiplied into (SPEC §1), in one `project` call."""
+
+    conv_in: Tensor  # [B, T, 2·H·d_k + H·d_v]: the ShortConv's inputs, x W_q | x W_k | x W_v
+    decay: Tensor  # [B, T, decay_rank]: x W_f1
+    beta: Tensor  # [B, T, H]: β's logits
+    gate: Tensor  # [B, T, H·d_v] (full-rank gate) or [B, T, output_gate_rank] (x W_g_a)
 
 
 @dataclass
@@ -165,9 +176,9 @@ class KDALayer(nn.Module):
                                   dtype=torch.promote_types(dtype, torch.float32)),
         )
 
-    def decay(self, x: Tensor) -> Tensor:
-        """The per-channel log-decay ``g`` ``[B, T, H, d_k]`` (fp32) from the layer input."""
-        z = self.f_b_proj(self.f_a_proj(x)).unflatten(-1, (self.num_heads, self.head_dim))
+    def decay(self, low_rank: Tensor) -> Tensor:
+        """The per-channel log-decay ``g`` ``[B, T, H, d_k]`` (fp32) from the low-rank ``x W_f1``."""
+        z = self.f_b_proj(low_rank).unflatten(-1, (self.num_heads, self.head_dim))
         if self.gate == "bounded":
             return kda.bounded_decay(z, self.A_log[: self.num_heads], self.dt_bias, self.g_min)
         return kda.softplus_decay(z, self.A_log[: self.num_heads], self.dt_bias)
@@ -176,7 +187,8 @@ class KDALayer(nn.Module):
                 record: list[KDAReplay] | None = None) -> tuple[Tensor, KDAState | None]:
         """``record`` (a list): append the run's `KDAReplay`, to advance ``state`` by a prefix of it later."""
         T = x.shape[1]
-        replay, window = self.features(x, None if state is None else state.conv)
+        projected = self.projections(x)
+        replay, window = self.features(projected, None if state is None else state.conv)
         if record is not None:
             record.append(replay)
         q, k, v, g, beta = replay.q, replay.k, replay.v, replay.g, replay.beta
@@ -188,30 +200,34 @@ class KDALayer(nn.Module):
             floor = self.g_min if self.gate == "bounded" else float("-inf")
             o, final = kda.chunked(q, k, v, g, beta, initial_state=initial, chunk_size=self.chunk_for(T),
                                    decay_floor=floor)
-        return self.readout(x, o), None if state is None else KDAState(conv=window, recurrent=final)
+        return self.readout(projected, o), None if state is None else KDAState(conv=window, recurrent=final)
 
     def chunk_for(self, T: int) -> int:
         """The recurrence's chunk length for ``T`` tokens: short prefill chunks are not padded to a long chunk."""
         return min(self.chunk_size, -(-T // 16) * 16)
 
-    def conv_inputs(self, x: Tensor) -> Tensor:
-        """The ShortConv's inputs ``[B, T, 2·H·d_k + H·d_v]``: the q, k, v projections of ``x``."""
-        return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)
+    def projections(self, x: Tensor) -> KDAProjections:
+        """``x`` ``[B, T, d]`` times the q, k, v, decay, β and output-gate weights (one product where `project`
+        stacks them)."""
+        gate = self.g_proj if hasattr(self, "g_proj") else self.g_a_proj
+        q, k, v, decay, beta, gate = project(x, self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.b_proj,
+                                             gate)
+        return KDAProjections(torch.cat([q, k, v], -1), decay, beta, gate)
 
-    def features(self, x: Tensor, window: Tensor | None, conv_in: Tensor | None = None) -> tuple[KDAReplay, Tensor]:
-        """The recurrence's inputs for ``x`` ``[B, T, d]`` after the ShortConv ``window`` (None: zeros) — as a
-        `KDAReplay` (with the projected conv inputs, `conv_inputs` unless given) — and the new window."""
+    def features(self, projected: KDAProjections, window: Tensor | None) -> tuple[KDAReplay, Tensor]:
+        """The recurrence's inputs after the ShortConv ``window`` (None: zeros), as a `KDAReplay`, and the new
+        window."""
         H, K, V = self.num_heads, self.head_dim, self.value_dim
-        conv_in = self.conv_inputs(x) if conv_in is None else conv_in
-        qkv, window = self.conv(conv_in, window)
+        qkv, window = self.conv(projected.conv_in, window)
         q, k, v = qkv.split([H * K, H * K, H * V], dim=-1)
         q, k = kda.l2norm(q.unflatten(-1, (H, K))), kda.l2norm(k.unflatten(-1, (H, K)))
-        beta = torch.sigmoid(_at_least_fp32(self.b_proj(x)))
-        return KDAReplay(conv_in, q, k, v.unflatten(-1, (H, V)), self.decay(x), beta), window
+        beta = torch.sigmoid(_at_least_fp32(projected.beta))
+        g = self.decay(projected.decay)
+        return KDAReplay(projected.conv_in, q, k, v.unflatten(-1, (H, V)), g, beta), window
 
-    def readout(self, x: Tensor, o: Tensor) -> Tensor:
+    def readout(self, projected: KDAProjections, o: Tensor) -> Tensor:
         """The layer output from the recurrence's output ``o`` ``[B, T, H, V]``: gated per-head norm, projection."""
         H, V = self.num_heads, self.value_dim
-        gate = self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))
+        gate = projected.gate if hasattr(self, "g_proj") else self.g_b_proj(projected.gate)
         o = self.o_norm(_at_least_fp32(o)) * torch.sigmoid(_at_least_fp32(gate.unflatten(-1, (H, V))))
-        return self.o_proj(o.flatten(2).to(x.dtype))
+        return self.o_proj(o.flatten(2).to(projected.conv_in.dtype))

@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from k3.config import K3Config
 from k3.model.norm import RMSNorm
+from k3.model.projections import project
 
 __all__ = ["MLACache", "GatedMLA"]
 
@@ -139,28 +140,31 @@ class GatedMLA(nn.Module):
         """
         self._check_inputs(x, state, path, padding)
         B, T, _ = x.shape
-        q, c_kv, k_s = self._project(x)
+        q, c_kv, k_s, gate = self._project(x)
         cache = MLACache(c_kv, k_s) if state is None else state.append(c_kv, k_s)
         absorbed = path == "absorbed" if path is not None else (state is not None and T == 1)
         o = self._attend_absorbed(q, cache, padding) if absorbed else self._attend_full(q, cache, padding)
-        if self.g_proj is not None:
-            o = o * torch.sigmoid(self.g_proj(x)).view(B, T, self.num_heads, self.v_dim)
+        if gate is not None:
+            o = o * torch.sigmoid(gate).view(B, T, self.num_heads, self.v_dim)
         y = self.o_proj(o.reshape(B, T, self.num_heads * self.v_dim))
         return y, (None if state is None else cache)
 
     def cache_entries(self, x: Tensor) -> MLACache:
         """The cache entries ``(c_kv, k_s)`` of the tokens ``x`` ``[B, T, d]`` — what context parallelism shares."""
-        _, c_kv, k_s = self._project(x)
+        _, c_kv, k_s, _ = self._project(x)
         return MLACache(c_kv, k_s)
 
     # ------------------------------------------------------------------ pieces of Eq. 7
-    def _project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Queries ``[B, H, T, nope + shared]`` and the tokens' cache entries c_kv ``[B, T, r]``, k_s ``[B, T, s]``."""
+    def _project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        """Queries ``[B, H, T, nope + shared]``, the tokens' cache entries c_kv ``[B, T, r]``, k_s ``[B, T, s]``, and
+        the output gate's logits ``[B, T, H·v]`` (None without a gate) — x's products in one `project` call."""
         B, T, _ = x.shape
-        q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_norm(self.q_a_proj(x)))
+        first = self.q_proj if self.q_lora_rank is None else self.q_a_proj
+        q, kv, *gate = project(x, first, self.kv_a_proj, *([] if self.g_proj is None else [self.g_proj]))
+        q = q if self.q_lora_rank is None else self.q_b_proj(self.q_a_norm(q))
         q = q.view(B, T, self.num_heads, self.nope_dim + self.shared_dim).transpose(1, 2)
-        c_kv, k_s = self.kv_a_proj(x).split([self.kv_lora_rank, self.shared_dim], dim=-1)
-        return q, self.kv_a_norm(c_kv), k_s
+        c_kv, k_s = kv.split([self.kv_lora_rank, self.shared_dim], dim=-1)
+        return q, self.kv_a_norm(c_kv), k_s, gate[0] if gate else None
 
     def _up_weights(self) -> tuple[Tensor, Tensor]:
         """Views ``W_uk`` ``[H, nope, r]`` and ``W_uv`` ``[H, v, r]`` of ``kv_b_proj.weight`` (no copies)."""

@@ -1,0 +1,43 @@
+"""Same-input projections as one matrix product (issue 18).
+
+A layer multiplies its input by several weights: KDA's q, k, v, decay and β projections and output gate (SPEC §1),
+MLA's query and key–value down-projections and output gate (§2), a GLU's gate and up projections (Eq. 18). At one
+decode token each is a small matrix–vector product whose fixed cost (a kernel call, a parallel region) outweighs its
+arithmetic; stacked row-wise they are one product over the same bytes. Where the weights are constants of a compiled
+graph (`k3.model.compiled`'s frozen decode step) the stacking is folded once, at compilation; anywhere else it would
+copy the weights on every call, so `project` stacks only inside `fused()` and only while compiling.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+_FUSED = [False]
+
+
+@contextmanager
+def fused(on: bool = True) -> Iterator[None]:
+    """Within: `project` traces one product on the stacked weights (for graphs whose weights are constants)."""
+    previous, _FUSED[0] = _FUSED[0], on
+    try:
+        yield
+    finally:
+        _FUSED[0] = previous
+
+
+def project(x: Tensor, *layers: nn.Module) -> list[Tensor]:
+    """``[layer(x) for layer in layers]``, as one matmul on the stacked weights when tracing inside `fused` and
+    every layer is a plain bias-free `nn.Linear` of one dtype (anything else runs module by module, its hooks
+    included)."""
+    stack = (_FUSED[0] and torch.compiler.is_compiling() and len(layers) > 1
+             and all(type(layer) is nn.Linear and layer.bias is None for layer in layers)
+             and len({layer.weight.dtype for layer in layers}) == 1)
+    if not stack:
+        return [layer(x) for layer in layers]
+    weight = torch.cat([layer.weight for layer in layers])
+    return list(F.linear(x, weight).split([layer.out_features for layer in layers], dim=-1))
