@@ -85,3 +85,9 @@ def test_layers_with_a_bias_or_hooks_are_not_stacked():
     calls, out = _linear_calls(lambda x: project(x, *sub), x, fuse=True)
     assert calls == 2
     torch.testing.assert_close(out[0], 2 * (x @ sub[0].weight.T), rtol=1e-12, atol=1e-12)
+
+    hooked = [nn.Linear(8, 3, bias=False).double(), nn.Linear(8, 5, bias=False).double()]
+    hooked[1].register_forward_hook(lambda _module, _args, out: -out)
+    calls, out = _linear_calls(lambda x: project(x, *hooked), x, fuse=True)
+    assert calls == 2
+    torch.testing.assert_close(out[1], -(x @ hooked[1].weight.T), rtol=1e-12, atol=1e-12)

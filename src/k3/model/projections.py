@@ -35,9 +35,14 @@ def project(x: Tensor, *layers: nn.Module) -> list[Tensor]:
     every layer is a plain bias-free `nn.Linear` of one dtype (anything else runs module by module, its hooks
     included)."""
     stack = (_FUSED[0] and torch.compiler.is_compiling() and len(layers) > 1
-             and all(type(layer) is nn.Linear and layer.bias is None for layer in layers)
-             and len({layer.weight.dtype for layer in layers}) == 1)
+             and all(_plain(layer) for layer in layers) and len({layer.weight.dtype for layer in layers}) == 1)
     if not stack:
         return [layer(x) for layer in layers]
     weight = torch.cat([layer.weight for layer in layers])
     return list(F.linear(x, weight).split([layer.out_features for layer in layers], dim=-1))
+
+
+def _plain(layer: nn.Module) -> bool:
+    """A bias-free `nn.Linear` itself (not a subclass, e.g. an MX fake-quant layer) without forward hooks."""
+    return (type(layer) is nn.Linear and layer.bias is None
+            and not (layer._forward_hooks or layer._forward_pre_hooks))
