@@ -181,6 +181,37 @@ def test_unbounded_softplus_decays_take_the_masked_path():
     torch.testing.assert_close(s.double(), s_ref, **F32)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("g_range", [(-5.0, 0.0), (-5.0, -4.9), (-60.0, -0.5)],
+                         ids=["bounded", "saturated", "unbounded"])
+def test_strong_decays_leave_no_subnormal_chunk_terms(dtype, g_range):
+    """Strongly decayed chunks must not fill the products' operands with subnormals (slow on CPUs):
+    factors below e^-L are flushed to 0, and the outputs still equal the fp64 recurrence."""
+    q, k, v, g, b = make(B=1, T=256, H=2, K=32, V=16, seed=8, g_low=g_range[0], g_high=g_range[1], dtype=dtype)
+    N, C = 2 * 4, 64
+    chunks = [x.reshape(1, 4, C, 2, -1).permute(1, 0, 3, 2, 4).reshape(N, C, -1) for x in (q, k, v, g, b)]
+    terms = kda._chunk_terms(*chunks[:4], chunks[4][..., 0], float(g.min()))
+    tiny = torch.finfo(dtype).tiny
+    for name, t in terms.items():
+        assert not ((t != 0) & (t.abs() < tiny)).any(), f"{name} holds subnormal entries"
+    total = chunks[3].sum(1)  # each chunk's whole log-decay: its factor is flushed exactly below -L
+    torch.testing.assert_close(terms["decay"] == 0, total < -kda._FLUSH_EXPONENT[dtype])
+    S0 = state(1, 2, 32, 16, dtype=dtype)
+    o_ref, s_ref = kda.recurrent(*(x.double() for x in (q, k, v, g, b)), initial_state=S0.double())
+    o, s = kda.chunked(q, k, v, g, b, initial_state=S0)
+    tol = F32 if dtype == torch.float32 else F64
+    torch.testing.assert_close(o.double(), o_ref, **tol)
+    torch.testing.assert_close(s.double(), s_ref, **tol)
+
+
+@settings(max_examples=30, deadline=None)
+@given(C=st.sampled_from([16, 32, 64, 128]), scale=st.floats(0.01, 2.0), seed=st.integers(0, 2**16))
+def test_tiled_unit_lower_inverse_equals_the_dense_inverse(C, scale, seed):
+    A = scale * torch.randn(3, C, C, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) / C**0.5
+    expected = torch.linalg.inv(torch.eye(C, dtype=torch.float64) + A.tril(-1))
+    torch.testing.assert_close(kda._unit_lower_inverse(A + A.triu()), expected, atol=1e-10, rtol=1e-10)
+
+
 # ---------------------------------------------------------------------- gradients
 @pytest.mark.parametrize("g_range", [(-4.0, -0.1), (-60.0, -45.0)], ids=["bounded", "masked"])
 def test_gradcheck_chunked_fp64(g_range):

@@ -17,6 +17,8 @@ returned state has that dtype; outputs take ``v``'s dtype.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -162,12 +164,48 @@ def recurrent(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: f
 # exp(16·|g|), which must stay finite in the compute dtype (fp32 max ≈ e^88.7, fp64 ≈ e^709).
 _MAX_EXPONENT = {torch.float32: 80.0, torch.float64: 700.0}
 _CHUNK_HEADS_PER_BLOCK = 32  # chunks·heads whose intermediates are computed at once
+# Decay factors below e^-L are flushed to exactly 0 (a dropped term is < e^-L times its undecayed size,
+# far below the dtype's rounding), so no product of two factors leaves the normal range: CPUs compute
+# subnormal floats many times slower, and strongly decayed chunks are full of them otherwise.
+_FLUSH_EXPONENT = {torch.float32: 30.0, torch.float64: 300.0}
 
 
 def _exclusive_cumsum(x: Tensor, dim: int) -> Tensor:
     """Σ of the preceding entries along ``dim`` (a sum, never a difference of sums)."""
     shifted = x.narrow(dim, 0, x.shape[dim] - 1).cumsum(dim)
     return torch.cat([torch.zeros_like(x.narrow(dim, 0, 1)), shifted], dim)
+
+
+def _decay(x: Tensor) -> Tensor:
+    """``e^x`` for a log-decay ``x <= 0``, exactly 0 where ``x < -L`` (``_FLUSH_EXPONENT``)."""
+    floor = -_FLUSH_EXPONENT[x.dtype]
+    return x.clamp(min=floor).exp() * (x >= floor)  # never exponentiates -inf or subnormal results: slow on CPU
+
+
+def _flush(x: Tensor) -> Tensor:
+    """``x`` with entries below e^-L in magnitude set to 0, for dimensionless terms (|x| ≲ 1)."""
+    return torch.where(x.abs() < math.exp(-_FLUSH_EXPONENT[x.dtype]), 0.0, x)
+
+
+def _unit_lower_inverse(A: Tensor) -> Tensor:
+    """``(I + A)⁻¹`` for the strictly lower part of ``A`` ``[N, C, C]``, by 16×16 tiles, flushed (`_flush`).
+
+    The diagonal tiles are unit-triangular solves; tile row a below them is ``-Xₐₐ (A[a, :a] X[:a, :a])``.
+    Flushing every operand keeps the products free of subnormals: a whole-chunk triangular solve of a
+    strongly decayed A forms long chains of tiny products, several-fold slower on CPUs.
+    """
+    N, C, _ = A.shape
+    nt = C // TILE
+    A = _flush(A)
+    diag = A.view(N, nt, TILE, nt, TILE).diagonal(0, 1, 3).permute(0, 3, 1, 2)  # [N, nt, 16, 16]
+    eye = torch.eye(TILE, dtype=A.dtype, device=A.device).expand(N, nt, TILE, TILE)
+    X_diag = _flush(torch.linalg.solve_triangular(diag, eye, upper=False, unitriangular=True))
+    X = X_diag[:, 0]  # the inverse of the leading a tiles, grown one tile row at a time (autograd-safe)
+    for a in range(1, nt):
+        rows, lead = slice(a * TILE, (a + 1) * TILE), slice(0, a * TILE)
+        row = _flush(-(X_diag[:, a] @ _flush(A[:, rows, lead] @ X)))
+        X = torch.cat([F.pad(X, (0, TILE)), torch.cat([row, X_diag[:, a]], 2)], 1)
+    return X
 
 
 def _chunk_terms(q: Tensor | None, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
@@ -187,7 +225,9 @@ def _chunk_terms(q: Tensor | None, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
     tile end (times the whole tiles in between), so every factor is ≤ 1; a diagonal 16×16 tile
     anchors at its first token when the gate is bounded (16·|g| ≤ 80 in fp32) and otherwise masks the
     non-causal differences to -inf before exponentiating. Tile-local sums also keep the exponent
-    differences free of the cancellation a chunk-wide cumulative sum would suffer.
+    differences free of the cancellation a chunk-wide cumulative sum would suffer. Factors ≤ 1 below
+    e^-L, and entries of (I + A)⁻¹ below e^-L, are flushed to 0 (`_decay`): every product's operands and
+    results then stay normal floats, whatever the decay (drop errors < e^-L relative, L = 30 in fp32).
     """
     N, C, K = k.shape
     nt = C // TILE
@@ -195,47 +235,45 @@ def _chunk_terms(q: Tensor | None, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
     gt, kt = tiles(g), tiles(k)
     Gl = gt.cumsum(2)  # tile-local cumulative log-decay
     tau = Gl[:, :, -1]  # [N, nt, K] tile totals
-    from_start = Gl.exp()  # e^{G_i - G(tile start)} ≤ 1
-    k_end = kt * (tau.unsqueeze(2) - Gl).exp()  # k_j e^{G(tile end) - G_j}
-    # Columns of every tile b < a, decayed from tile b's end to tile a's start: [N, 16a, K] for each a.
+    to_end = tau.unsqueeze(2) - Gl  # log-decay from each token to its tile end
+    # Columns of every tile b < a, decayed from their token to tile a's start: [N, 16a, K] for each a.
     cols = {
-        a: (k_end[:, :a] * _exclusive_cumsum(tau[:, :a].flip(1), 1).flip(1).exp().unsqueeze(2)).view(N, -1, K)
+        a: (kt[:, :a] * _decay(to_end[:, :a] + _exclusive_cumsum(tau[:, :a].flip(1), 1).flip(1).unsqueeze(2)))
+        .view(N, -1, K)
         for a in range(1, nt)
     }
     causal = torch.ones(TILE, TILE, dtype=torch.bool, device=k.device).tril()
     bounded = -g_lowest * TILE <= _MAX_EXPONENT[k.dtype]
     if bounded:  # anchor at the tile start: columns carry e^{-Gl_j} ≤ e^{16|g|}, finite (its gradient too)
         cols_diag = (kt * (-Gl).exp()).transpose(-1, -2)
-    rows, blocks = [], []  # row sets: k (for Akk) and, given q, q (for Aqk)
+    blocks = []  # Akk and, given q, Aqk
     for x in [kt] if q is None else [kt, tiles(q)]:
-        x_start = x * from_start
         A = k.new_zeros(N, nt, TILE, C)  # one block row per tile
+        x_off = x * _decay(Gl)  # rows decayed since their tile start, for the off-diagonal tiles
         for a in range(1, nt):
-            A[:, a, :, : a * TILE] = x_start[:, a] @ cols[a].transpose(1, 2)
-        if bounded:
-            diag = torch.where(causal, x_start @ cols_diag, 0.0)
+            A[:, a, :, : a * TILE] = x_off[:, a] @ cols[a].transpose(1, 2)
+        if bounded:  # the row factor is not flushed here: it meets a column factor ≥ 1
+            diag = torch.where(causal, (x * Gl.exp()) @ cols_diag, 0.0)
         else:
             gaps = (Gl.unsqueeze(3) - Gl.unsqueeze(2)).masked_fill(~causal[..., None], float("-inf"))
-            diag = torch.einsum("naic,najc,naijc->naij", x, kt, gaps.exp())
+            diag = torch.einsum("naic,najc,naijc->naij", x, kt, _decay(gaps))
         A.view(N, nt, TILE, nt, TILE).diagonal(0, 1, 3).copy_(diag.permute(0, 2, 3, 1))
-        rows.append(x_start)
         blocks.append(A.view(N, C, C))
 
-    # T = (I + Akk)⁻¹ Diag(β): a unit-triangular solve against the identity (only the strictly lower
-    # part of Akk is read), then batched matmuls — on CPU cheaper than solving against K+V columns.
+    # T = (I + Akk)⁻¹ Diag(β), inverted by tiles (only the strictly lower part of Akk is read), then
+    # batched matmuls — on CPU cheaper than solving against K+V columns.
     Akk = blocks[0] * beta.unsqueeze(-1)
-    eye = torch.eye(C, dtype=k.dtype, device=k.device).expand(N, C, C)
-    T = torch.linalg.solve_triangular(Akk, eye, upper=False, unitriangular=True) * beta.unsqueeze(1)
-    before = _exclusive_cumsum(tau, 1)  # log-decay from the chunk start to each tile start
-    start_decay = before.exp().unsqueeze(2)
+    T = _unit_lower_inverse(Akk) * beta.unsqueeze(1)
+    before = _exclusive_cumsum(tau, 1).unsqueeze(2)  # log-decay from the chunk start to each tile start
+    from_chunk_start = _decay(Gl + before)
     terms = {
-        "W": T @ (rows[0] * start_decay).view(N, C, K),
+        "W": T @ (kt * from_chunk_start).view(N, C, K),
         "U": T @ v,
-        "Kd": (k_end * _exclusive_cumsum(tau.flip(1), 1).flip(1).exp().unsqueeze(2)).view(N, C, K),
-        "decay": (before[:, -1] + tau[:, -1]).exp(),
+        "Kd": (kt * _decay(to_end + _exclusive_cumsum(tau.flip(1), 1).flip(1).unsqueeze(2))).view(N, C, K),
+        "decay": _decay(before[:, -1, 0] + tau[:, -1]),
     }
     if q is not None:
-        terms["Qe"] = (rows[1] * start_decay).view(N, C, K)
+        terms["Qe"] = (tiles(q) * from_chunk_start).view(N, C, K)
         terms["Aqk"] = blocks[1]
     return terms
 
