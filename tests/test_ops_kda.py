@@ -188,8 +188,7 @@ def test_strong_decays_leave_no_subnormal_chunk_terms(dtype, g_range):
     """Strongly decayed chunks must not fill the products' operands with subnormals (slow on CPUs):
     factors below e^-L are flushed to 0, and the outputs still equal the fp64 recurrence."""
     q, k, v, g, b = make(B=1, T=256, H=2, K=32, V=16, seed=8, g_low=g_range[0], g_high=g_range[1], dtype=dtype)
-    N, C = 2 * 4, 64
-    chunks = [x.reshape(1, 4, C, 2, -1).permute(1, 0, 3, 2, 4).reshape(N, C, -1) for x in (q, k, v, g, b)]
+    chunks = [kda._to_chunks(x, 64, dtype).flatten(0, 1) for x in (q, k, v, g, b)]
     terms = kda._chunk_terms(*chunks[:4], chunks[4][..., 0], float(g.min()))
     tiny = torch.finfo(dtype).tiny
     for name, t in terms.items():

@@ -236,24 +236,27 @@ def _chunk_terms(q: Tensor | None, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
     Gl = gt.cumsum(2)  # tile-local cumulative log-decay
     tau = Gl[:, :, -1]  # [N, nt, K] tile totals
     to_end = tau.unsqueeze(2) - Gl  # log-decay from each token to its tile end
-    # Columns of every tile b < a, decayed from their token to tile a's start: [N, 16a, K] for each a.
+    # Columns of every tile b < a, decayed from their token to tile a's start: [N, 16a, K] for each a
+    # (a = nt: to the chunk end, which is Kd).
     cols = {
         a: (kt[:, :a] * _decay(to_end[:, :a] + _exclusive_cumsum(tau[:, :a].flip(1), 1).flip(1).unsqueeze(2)))
         .view(N, -1, K)
-        for a in range(1, nt)
+        for a in range(1, nt + 1)
     }
     causal = torch.ones(TILE, TILE, dtype=torch.bool, device=k.device).tril()
     bounded = -g_lowest * TILE <= _MAX_EXPONENT[k.dtype]
     if bounded:  # anchor at the tile start: columns carry e^{-Gl_j} ≤ e^{16|g|}, finite (its gradient too)
         cols_diag = (kt * (-Gl).exp()).transpose(-1, -2)
+        from_start = Gl.exp()  # not flushed: it meets a column factor ≥ 1
+    off_start = _decay(Gl)  # rows decayed since their tile start, for the off-diagonal tiles
     blocks = []  # Akk and, given q, Aqk
     for x in [kt] if q is None else [kt, tiles(q)]:
         A = k.new_zeros(N, nt, TILE, C)  # one block row per tile
-        x_off = x * _decay(Gl)  # rows decayed since their tile start, for the off-diagonal tiles
+        x_off = x * off_start
         for a in range(1, nt):
             A[:, a, :, : a * TILE] = x_off[:, a] @ cols[a].transpose(1, 2)
-        if bounded:  # the row factor is not flushed here: it meets a column factor ≥ 1
-            diag = torch.where(causal, (x * Gl.exp()) @ cols_diag, 0.0)
+        if bounded:
+            diag = torch.where(causal, (x * from_start) @ cols_diag, 0.0)
         else:
             gaps = (Gl.unsqueeze(3) - Gl.unsqueeze(2)).masked_fill(~causal[..., None], float("-inf"))
             diag = torch.einsum("naic,najc,naijc->naij", x, kt, _decay(gaps))
@@ -269,7 +272,7 @@ def _chunk_terms(q: Tensor | None, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
     terms = {
         "W": T @ (kt * from_chunk_start).view(N, C, K),
         "U": T @ v,
-        "Kd": (kt * _decay(to_end + _exclusive_cumsum(tau.flip(1), 1).flip(1).unsqueeze(2))).view(N, C, K),
+        "Kd": cols[nt],
         "decay": _decay(before[:, -1, 0] + tau[:, -1]),
     }
     if q is not None:
