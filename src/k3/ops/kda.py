@@ -171,9 +171,12 @@ _FLUSH_EXPONENT = {torch.float32: 30.0, torch.float64: 300.0}
 
 
 def _exclusive_cumsum(x: Tensor, dim: int) -> Tensor:
-    """Σ of the preceding entries along ``dim`` (a sum, never a difference of sums)."""
-    shifted = x.narrow(dim, 0, x.shape[dim] - 1).cumsum(dim)
-    return torch.cat([torch.zeros_like(x.narrow(dim, 0, 1)), shifted], dim)
+    """Σ of the preceding entries along a short ``dim`` (the tiles of a chunk), as running sums: a few adds that
+    fuse with their neighbours, where a library ``cumsum`` costs a call of its own (a sum, never a difference)."""
+    sums = [torch.zeros_like(x.narrow(dim, 0, 1))]
+    for i in range(x.shape[dim] - 1):
+        sums.append(sums[-1] + x.narrow(dim, i, 1))
+    return torch.cat(sums, dim)
 
 
 def _decay(x: Tensor) -> Tensor:
@@ -247,8 +250,10 @@ def _chunk_terms(q: Tensor | None, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
     bounded = -g_lowest * TILE <= _MAX_EXPONENT[k.dtype]
     if bounded:  # anchor at the tile start: columns carry e^{-Gl_j} ≤ e^{16|g|}, finite (its gradient too)
         cols_diag = (kt * (-Gl).exp()).transpose(-1, -2)
-        from_start = Gl.exp()  # not flushed: it meets a column factor ≥ 1
-    off_start = _decay(Gl)  # rows decayed since their tile start, for the off-diagonal tiles
+        from_start = Gl.exp()  # normal (Gl ≥ -_MAX_EXPONENT); not flushed: it meets a column factor ≥ 1
+        off_start = from_start * (Gl >= -_FLUSH_EXPONENT[k.dtype])  # `_decay(Gl)` from the same exponentials
+    else:
+        off_start = _decay(Gl)  # rows decayed since their tile start, for the off-diagonal tiles
     blocks = []  # Akk and, given q, Aqk
     for x in [kt] if q is None else [kt, tiles(q)]:
         A = k.new_zeros(N, nt, TILE, C)  # one block row per tile
