@@ -122,6 +122,7 @@ def test_engine_compiled_gives_eager_tokens_in_mixed_steps_with_a_graph_per_buck
     buckets 1, 2, 4 and 8, prefill chunks cut into 16-, 4- and 1-token pieces. Every request's greedy tokens equal
     the eager engine's, and no shape key is ever compiled twice."""
     from k3.serve.engine import Engine, SamplingParams
+    from k3.serve.metrics import Metrics
 
     model = serving.model()
     prompts = [p for p in serving.prompts() if len(p) > 1][:6]  # 5, 17, 33, 64, 120, 9 tokens
@@ -137,8 +138,44 @@ def test_engine_compiled_gives_eager_tokens_in_mixed_steps_with_a_graph_per_buck
         return [tokens[i] for i in range(len(prompts))]
 
     compiled = CompiledModel(model, tuned=False)
-    assert run(Engine(model, tok, prefill_chunk=16, compile=compiled)) == run(Engine(model, tok, prefill_chunk=16))
+    engine = Engine(model, tok, prefill_chunk=16, compile=compiled)
+    assert run(engine) == run(Engine(model, tok, prefill_chunk=16))
     keys = compiled.compile_seconds
     assert compiled.compilations == len(keys)
+    scraped = Metrics(engine).render().decode()  # GET /metrics tells a compile stall from a slow step
+    assert f"k3_compiled_graphs_total {float(len(keys))}" in scraped and "k3_compile_seconds_total" in scraped
+    assert "k3_compiled_graphs" not in Metrics(Engine(model, tok)).render().decode()
     assert {key[1] for key in keys if key[0] == "decode"} <= {1, 2, 4, 8}
     assert {key[2] for key in keys if key[0] == "prefill"} <= {16, 4}
+
+
+def test_warm_up_builds_every_graph_a_server_reaches(tok):
+    """`warm_up` compiles each prefill piece (on an empty and a longer cache) and each decode bucket up to the
+    engine's batch; then requests that arrive one per step with prompts of 1 to 21 tokens — whose chunks, cut by a
+    4-token budget, start pieces on caches of 0, 1 and more positions, decode alone or stacked, padded or not — give
+    the eager engine's tokens and compile nothing more (a graph built while serving stalls every request)."""
+    from k3.serve.engine import Engine, SamplingParams
+
+    model = serving.model()
+    compiled = CompiledModel(model, batches=(1, 2, 4), sizes=(4, 1), tuned=False)
+    assert compiled.warm_up(max_batch=2) > 0
+    keys = compiled.compile_seconds
+    assert all(key[-1] for key in keys)  # built in inference mode, as the engine steps
+    assert sorted((kind, batch, length, cache) for kind, batch, length, cache, *_ in keys) == [
+        ("decode", 1, 1, 2), ("decode", 2, 1, 2), ("prefill", 1, 4, 0), ("prefill", 1, 4, 2)]
+    text = serving.prompts()[5]
+    prompts = [text[:1], text[3:5], text[10:21], text[30:33], text[40:49], text[60:61]]
+
+    def run(engine: Engine) -> list[list[int]]:
+        tokens: dict[int, list[int]] = {}
+        for i, prompt in enumerate(prompts):
+            engine.add_request(prompt, SamplingParams(max_tokens=3 + i % 3, temperature=0),
+                               callback=lambda o, i=i: tokens.setdefault(i, []).extend(o.token_ids))
+            engine.step()
+        while engine.has_work():
+            engine.step()
+        return [tokens[i] for i in range(len(prompts))]
+
+    eager = run(Engine(model, tok, max_batch=2, prefill_chunk=4))
+    assert run(Engine(model, tok, max_batch=2, prefill_chunk=4, compile=compiled)) == eager
+    assert compiled.compilations == 4

@@ -291,7 +291,12 @@ def _serve(args: argparse.Namespace) -> int:
 
     limits = _limits(args)  # invalid limits are refused before the model is loaded
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) - 1))
-    engine = _engine(args, **({"max_waiting": args.max_queue} if args.max_queue else {})).start()
+    engine = _engine(args, **({"max_waiting": args.max_queue} if args.max_queue else {}))
+    if engine.compiled is not None:  # every graph built before the first request: none stalls a running batch
+        seconds = engine.compiled.warm_up(engine.max_batch)
+        print(f"k3 serve: {engine.compiled.compilations} graphs compiled in {seconds:.1f} s (decode batches up to "
+              f"{engine.compiled.bucket(engine.max_batch)}, prefill pieces {engine.compiled.sizes})", flush=True)
+    engine.start()
     name = args.model_name or Path(args.ckpt).resolve().name
     app = create_app(engine, name, api_key=args.api_key, default_mode=args.mode, limits=limits,
                      separate_reasoning=not args.reasoning_in_content, allowed_origins=args.allowed_origins)
@@ -548,7 +553,8 @@ def main(argv: list[str] | None = None) -> int:
                          help="tokens drafted per step with --draft (default %(default)s)")
         sub.add_argument("--compile", action="store_true", help="decode and prefill-chunk steps through "
                          "torch.compile'd graphs: decode batches padded to 1, 2, 4 … 32 rows, chunks cut into "
-                         "64/16/4/1-token pieces (one compilation each, on first use)")
+                         "64/16/4/1-token pieces (one compilation each: k3 serve builds them all before it listens, "
+                         "for batches up to --max-batch; k3 chat on first use)")
         cache = sub.add_argument_group("prefix cache (README, 'Prefix cache')")
         cache.add_argument("--prefix-cache-gb", type=_positive(float, zero=True), default=1.0,
                            help="bytes for cached MLA pages and KDA checkpoints, in GiB (default: %(default)s)")

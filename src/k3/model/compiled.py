@@ -8,7 +8,9 @@ weights of each token's selected experts (`Experts._gathered`), and the token-id
 
 Recompilation is deliberate. A graph is built per shape key — batch size, chunk length, whether the MLA caches hold
 0, 1 or more entries (dynamo specialises sizes 0 and 1; longer caches share one graph, their length marked dynamic),
-left padding or none — and ``compilations`` counts the graphs. A key seen before runs under
+left padding or none — and ``compilations`` counts the graphs. `CompiledModel` keeps the keys a server reaches to a
+set it can build before serving (`warm_up`, ``k3 serve --compile``): the first tokens of a sequence (a cache of 0 or
+1 positions) run eagerly, and a decode batch always carries its padding. A key seen before runs under
 ``skip_guard_eval_unsafe`` (only the guards that tell its graphs apart), which saves ~0.5 ms of guard checks per
 call; the key also holds what else a guard tests (dtypes, strides made canonical, train/eval mode, where the
 weights live and how often they were written), so a call that might need a new graph always runs every guard.
@@ -97,16 +99,16 @@ class CompiledStep:
             _RESETS[0] += 1
         self._weights = weights
         input_ids, state = _canonical(input_ids), state.apply(_canonical)
-        cached, dtypes = 2, set()
+        dtypes = set()
         for layer in state.layers:
             if isinstance(layer, MLACache):
-                cached, dtypes = min(cached, layer.length), dtypes | {layer.latent.dtype}
+                dtypes.add(layer.latent.dtype)
                 for t in (layer.latent, layer.shared_key):
                     torch._dynamo.maybe_mark_dynamic(t, 1)
             else:
                 dtypes.add(layer.recurrent.dtype)
-        shape = (*input_ids.shape, cached, state.padding is None, state.depth is None, frozenset(dtypes),
-                 self.model.training)
+        shape = (*input_ids.shape, cached(state), state.padding is None, state.depth is None, frozenset(dtypes),
+                 self.model.training, torch.is_inference_mode_enabled())  # inference tensors dispatch differently
         key, built = (*shape, weights, _RESETS[0]), self.compilations
         warm = key in self._warm
         if warm:
@@ -134,6 +136,12 @@ def _canonical(t: Tensor) -> Tensor:
         expected.append(step)
         step *= size
     return t if t.stride() == tuple(reversed(expected)) else t.clone(memory_format=torch.contiguous_format)
+
+
+def cached(state: DecoderState) -> int:
+    """The cache part of a shape key: the MLA caches' length, 0, 1 or 2 for "2 or more" (dynamo specialises sizes 0
+    and 1; longer caches share a graph); 2 for a model without MLA layers."""
+    return min([2, *(layer.length for layer in state.layers if isinstance(layer, MLACache))])
 
 
 def pieces(length: int, sizes: tuple[int, ...] = PREFILL_PIECES) -> list[int]:
@@ -170,24 +178,61 @@ class CompiledModel:
         return next((b for b in self.batches if b >= batch), batch)
 
     def decode(self, input_ids: Tensor, state: DecoderState) -> tuple[Tensor, DecoderState]:
-        """One token per row, ``input_ids [B, 1]``; the batch padded to its bucket with copies of row 0."""
-        batch = input_ids.shape[0]
+        """One token per row, ``input_ids [B, 1]``; the batch padded to its bucket with copies of row 0. An unpadded
+        state runs as one padded by zeros (the same attention: one graph per bucket, not two); a step on a cache of
+        0 or 1 positions (the first tokens of a sequence) runs eagerly, so that every graph a server can reach is
+        one that `warm_up` builds."""
+        if cached(state) < 2:
+            return self._eager(input_ids, state)
+        batch, unpadded = input_ids.shape[0], state.padding is None
         extra = self.bucket(batch) - batch
         if extra:
             first = state.select(slice(0, 1))
             state = DecoderState.stack([state, *[first] * extra])
             input_ids = torch.cat([input_ids, input_ids[:1].expand(extra, -1)])
+        elif unpadded:
+            state = replace(state, padding=state.row_padding())
         logits, after = self.decode_step(input_ids, state)
-        return (logits[:batch], after.select(slice(0, batch))) if extra else (logits, after)
+        if extra:
+            logits, after = logits[:batch], after.select(slice(0, batch))
+        return logits, replace(after, padding=None) if unpadded else after
 
     def prefill(self, input_ids: Tensor, state: DecoderState) -> tuple[Tensor, DecoderState]:
-        """A chunk ``input_ids [B, T]`` as pieces of the bucket lengths (a 1-token piece is a decode step)."""
+        """A chunk ``input_ids [B, T]`` as pieces of the bucket lengths (a 1-token piece is a decode step; a piece
+        on a cache of exactly one position, after a 1-token first piece, runs eagerly like such a decode step)."""
         logits, start = None, 0
         for size in pieces(input_ids.shape[1], self.sizes):
             part = input_ids[:, start:start + size]
-            logits, state = self.decode(part, state) if size == 1 else self.prefill_step(part, state)
+            if size == 1:
+                logits, state = self.decode(part, state)
+            else:
+                logits, state = (self._eager if cached(state) == 1 else self.prefill_step)(part, state)
             start += size
         return logits, state
+
+    @torch.no_grad()
+    def _eager(self, input_ids: Tensor, state: DecoderState) -> tuple[Tensor, DecoderState]:
+        (logits, after), = self.model.forward_groups([(input_ids, state)])
+        return logits, after
+
+    @torch.inference_mode()
+    def warm_up(self, max_batch: int) -> float:
+        """Compile every graph that serving with at most ``max_batch`` requests reaches, before any request arrives
+        (vLLM's capture at start-up): each prefill piece on an empty cache and on a longer one, each decode bucket up
+        to ``bucket(max_batch)`` on stacked rows — in inference mode, as the engine steps. Returns the seconds taken;
+        afterwards no traffic compiles."""
+        start = time.perf_counter()
+        device = next(self.model.parameters()).device
+        ids = lambda batch, length: torch.zeros(batch, length, dtype=torch.long, device=device)  # noqa: E731
+        _, context = self._eager(ids(1, 2), self.model.new_state(1, device))  # a cache of 2 positions
+        for size in self.sizes:
+            if size > 1:
+                self.prefill_step(ids(1, size), self.model.new_state(1, device))
+                self.prefill_step(ids(1, size), context)
+        for batch in self.batches:
+            if batch <= self.bucket(max_batch):
+                self.decode(ids(batch, 1), DecoderState.stack([context] * batch))
+        return time.perf_counter() - start
 
     def __call__(self, input_ids: Tensor, state: DecoderState) -> tuple[Tensor, DecoderState]:
         """`decode` for one token per row, `prefill` otherwise."""

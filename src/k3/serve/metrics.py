@@ -1,4 +1,5 @@
-"""``GET /metrics`` in Prometheus' text format (issue 13): requests, latency and the prefix cache.
+"""``GET /metrics`` in Prometheus' text format (issue 13): requests, latency, the prefix cache and, with
+``--compile``, the graphs compiled so far (issue 18).
 
 Latency is measured where the engine hands an output over (its thread), per choice: time to first token from
 the request's arrival, and the gaps between later tokens. Engine and cache figures are read when scraped.
@@ -33,6 +34,11 @@ class _EngineCollector(Collector):
         for reason, count in sorted(e.finished.items()):
             finished.add_metric([reason], count)
         yield finished
+        if e.compiled is not None:  # `--compile`: a graph built while serving stalls every running request
+            yield CounterMetricFamily("k3_compiled_graphs", "Graphs compiled (one per new shape key)",
+                                      value=e.compiled.compilations)
+            yield CounterMetricFamily("k3_compile_seconds", "Seconds the latest compilation of each shape key took",
+                                      value=sum(e.compiled.compile_seconds.values()))
         cache = e.prefix_cache
         if cache is None:
             return
