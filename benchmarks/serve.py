@@ -13,9 +13,11 @@ with ``logprobs=0`` so that every generated token arrives as its own chunk).
    transformers' own ``generate`` run in this process on the same prompts — sequentially (one request
    at a time) and batched (all 16 prompts left-padded in one call); and the same 16 requests through
    the `Engine` in this process without HTTP, to separate the engine from the server — eager, and compiled
-   (``Engine(compile=True)``); and ``k3 serve --compile`` over HTTP, after an untimed pass that compiles the
-   shapes the runs use (the one-time compilation reported apart).
+   (``Engine(compile=True)``); and ``k3 serve --compile --max-batch 16`` over HTTP, which compiles every graph
+   it can reach before it listens (that start-up reported apart as "compile s").
 
+Every throughput row is the median of three timed runs (all three rates are in the JSON); a ``--compile``
+server's rows also count the graphs it compiled while timed (``GET /metrics``), so a stall for a new shape key shows.
 Each throughput row has its roofline: output tokens/s no implementation could beat here — the prompts' FLOPs at the
 measured matmul rate plus every decode step's bytes or FLOPs (`k3.model.roofline`) — and the fraction reached.
 3. A long prompt arriving while 8 clients stream: the ITL of those clients while it is prefilled, for
@@ -54,6 +56,7 @@ from k3.tokenization.bpe import Tokenizer  # noqa: E402
 
 VOCAB = 4096
 THROUGHPUT_CHUNK = 256  # prompt tokens per step in the throughput runs (the latency runs sweep it)
+RUNS = 3  # timed runs of each throughput row; the row is their median
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -66,13 +69,14 @@ def percentile(values: list[float], q: float) -> float:
 class Server:
     """``k3 serve`` in a subprocess (its defaults unless a prefill chunk is given); ``with Server(ckpt) as url``."""
 
-    def __init__(self, ckpt: Path, prefill_chunk: int | None = None, compile: bool = False) -> None:
+    def __init__(self, ckpt: Path, prefill_chunk: int | None = None, compile: bool = False,
+                 max_batch: int | None = None) -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.command = [sys.executable, "-m", "k3.cli", "serve", "--ckpt", str(ckpt), "--port", str(self.port),
                         "--model-name", "bench"] + (["--prefill-chunk", str(prefill_chunk)] if prefill_chunk else []) \
-            + (["--compile"] if compile else [])
+            + (["--compile"] if compile else []) + (["--max-batch", str(max_batch)] if max_batch else [])
 
     def __enter__(self) -> str:
         import openai
@@ -80,7 +84,7 @@ class Server:
         self.proc = subprocess.Popen(self.command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         url = f"http://127.0.0.1:{self.port}/v1"
         client = openai.OpenAI(base_url=url, api_key="x", max_retries=0)
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + (3600 if "--compile" in self.command else 120)  # --compile: graphs first
         while True:
             try:
                 client.models.list()
@@ -133,6 +137,21 @@ def run_clients(url: str, prompts: list[list[int]], max_tokens: int) -> dict:
             "ttft_p99_ms": percentile(ttft, 99), "itl_p50_ms": percentile(itl, 50), "itl_p99_ms": percentile(itl, 99)}
 
 
+def median_of(runs: int, measure) -> dict:
+    """``measure()`` ``runs`` times (a row each); the row of the median output tok/s, with every run's rate. One run
+    can catch a stall of this shared VM's or the server's (a graph compiled for a shape key no earlier run made)."""
+    rows = sorted((measure() for _ in range(runs)), key=lambda r: r["tokens_per_s"])
+    return {**rows[len(rows) // 2], "runs_tokens_per_s": [r["tokens_per_s"] for r in rows]}
+
+
+def compiled_graphs(url: str) -> float:
+    """The server's ``k3_compiled_graphs_total`` from ``GET /metrics`` (``--compile`` servers)."""
+    import urllib.request
+
+    text = urllib.request.urlopen(url.removesuffix("/v1") + "/metrics", timeout=60).read().decode()
+    return next(float(line.split()[-1]) for line in text.splitlines() if line.startswith("k3_compiled_graphs_total"))
+
+
 def long_prompt_interference(url: str, prompts: list[list[int]], long_prompt: list[int], max_tokens: int,
                              delay_s: float) -> dict:
     """Clients stream; after ``delay_s`` a long prompt arrives. ITL of the clients during its prefill."""
@@ -182,8 +201,12 @@ def engine_only(model: K3ForCausalLM, tokenizer: Tokenizer, prompts: list[list[i
     row = {}
     if compiled:
         _, row["compile_s"] = run()
-    tokens, seconds = run()
-    return {"output_tokens": tokens, "tokens_per_s": tokens / seconds, **row}
+
+    def timed() -> dict:
+        tokens, seconds = run()
+        return {"output_tokens": tokens, "tokens_per_s": tokens / seconds}
+
+    return {**median_of(RUNS, timed), **row}
 
 
 def roofline(config: K3Config, prompts: list[list[int]], max_tokens: int, bandwidth: float,
@@ -245,7 +268,7 @@ def main() -> None:
     with Server(small, THROUGHPUT_CHUNK) as url:
         for c in concurrency:
             record({"model": "small", "impl": "kimi-k3 HTTP", "concurrency": c,
-                    **run_clients(url, prompts[:c], max_tokens)})
+                    **median_of(RUNS, lambda: run_clients(url, prompts[:c], max_tokens))})
 
     # 2. identical Kimi Linear weights: k3 over HTTP vs transformers generate
     hf, ours = kimi_linear_pair(tokenizer.vocab_size, pad_token_id=0)  # generate pads batches with id 0
@@ -255,16 +278,17 @@ def main() -> None:
     with Server(kimi, THROUGHPUT_CHUNK) as url:
         for c in concurrency:
             record({"model": pair, "impl": "kimi-k3 HTTP", "concurrency": c,
-                    **run_clients(url, prompts[:c], max_tokens)})
+                    **median_of(RUNS, lambda: run_clients(url, prompts[:c], max_tokens))})
     n = concurrency[-1]
-    with Server(kimi, THROUGHPUT_CHUNK, compile=True) as url:
-        start = time.perf_counter()
-        for c in concurrency:  # untimed: compiles the decode buckets and prefill pieces these runs use
-            run_clients(url, prompts[:c], max_tokens)
+    start = time.perf_counter()
+    with Server(kimi, THROUGHPUT_CHUNK, compile=True, max_batch=n) as url:  # listens once every graph is built
         warm_up = time.perf_counter() - start
         for c in concurrency:
-            record({"model": pair, "impl": "kimi-k3 HTTP --compile", "concurrency": c,
-                    **run_clients(url, prompts[:c], max_tokens), **({"compile_s": warm_up} if c == n else {})})
+            graphs = compiled_graphs(url)
+            row = median_of(RUNS, lambda: run_clients(url, prompts[:c], max_tokens))
+            record({"model": pair, "impl": "kimi-k3 HTTP --compile", "concurrency": c, **row,
+                    "graphs_compiled_while_timed": compiled_graphs(url) - graphs,
+                    **({"compile_s": warm_up} if c == n else {})})
     record({"model": pair, "impl": "kimi-k3 engine, no HTTP", "concurrency": n,
             **engine_only(ours, tokenizer, prompts[:n], max_tokens)})
     record({"model": pair, "impl": "kimi-k3 engine compiled, no HTTP", "concurrency": n,
@@ -273,7 +297,8 @@ def main() -> None:
     del ours
     for batched in (False, True):
         record({"model": pair, "impl": f"transformers generate ({'batched' if batched else 'sequential'})",
-                "concurrency": n, **transformers_generate(hf, prompts[:n], max_tokens, batched)})
+                "concurrency": n, **median_of(RUNS, lambda: transformers_generate(hf, prompts[:n], max_tokens,
+                                                                                   batched))})
     del hf
 
     # 3. a long prompt while 8 clients stream
@@ -303,7 +328,7 @@ def main() -> None:
                        ("ttft_p50_ms", "TTFT p50 ms"), ("ttft_p99_ms", "TTFT p99 ms"),
                        ("itl_p50_ms", "ITL p50 ms"), ("itl_p99_ms", "ITL p99 ms"),
                        ("roof_tokens_per_s", "roofline tok/s"), ("roof_fraction", "of roof"),
-                       ("compile_s", "compile s")]))
+                       ("graphs_compiled_while_timed", "graphs compiled while timed"), ("compile_s", "compile s")]))
     print()
     print(table(interference, [("prefill_chunk", "prefill chunk"), ("clients", "streaming clients"),
                                ("long_prompt_tokens", "long prompt"), ("long_ttft_ms", "its TTFT ms"),
