@@ -273,7 +273,11 @@ def test_gradient_accumulation_does_not_change_the_objective(tmp_path, corpus, m
         torch.testing.assert_close(got.double(), expected_dlogits, rtol=1e-4, atol=1e-8)
     assert grads1.keys() == grads4.keys() and len(grads1) > 10
     for name, grad in grads1.items():
-        torch.testing.assert_close(grads4[name], grad, rtol=1e-4, atol=1e-7, msg=name)
+        # fp32 sums in another order: an entry that cancels to ~0 keeps an error of the summed terms' size, so the
+        # absolute floor follows the tensor's scale (a 1.6e-7 miss on one of 32,768 entries of a 0.46-scale
+        # embedding gradient on an AMD EPYC host with atol=1e-7 alone)
+        torch.testing.assert_close(grads4[name], grad, rtol=1e-4, atol=1e-7 + 1e-6 * float(grad.abs().max()),
+                                   msg=name)
 
 
 def test_paper_curriculum_is_the_papers_shape():
