@@ -212,8 +212,8 @@ class CompiledModel:
 
     @torch.no_grad()
     def _eager(self, input_ids: Tensor, state: DecoderState) -> tuple[Tensor, DecoderState]:
-        (logits, after), = self.model.forward_groups([(input_ids, state)])
-        return logits, after
+        """The step uncompiled: the function the graphs are traced from, run as it is."""
+        return self.decode_step._forward(input_ids, state)
 
     @torch.inference_mode()
     def warm_up(self, max_batch: int) -> float:
