@@ -14,7 +14,9 @@ with ``logprobs=0`` so that every generated token arrives as its own chunk).
    at a time) and batched (all 16 prompts left-padded in one call); and the same 16 requests through
    the `Engine` in this process without HTTP, to separate the engine from the server — eager, and compiled
    (``Engine(compile=True)``); and ``k3 serve --compile --max-batch 16`` over HTTP, which compiles every graph
-   it can reach before it listens (that start-up reported apart as "compile s").
+   it can reach before it listens (that start-up reported apart as "compile s"). Both Kimi Linear servers run
+   with ``--max-model-len 4096`` (the prompts are short): past 4,096 positions a compiled server builds its graphs
+   twice (`k3.model.compiled.CASCADE_SUM`).
 
 Every throughput row is the median of three timed runs (all three rates are in the JSON); a ``--compile``
 server's rows also count the graphs it compiled while timed (``GET /metrics``), so a stall for a new shape key shows.
@@ -57,6 +59,7 @@ from k3.tokenization.bpe import Tokenizer  # noqa: E402
 VOCAB = 4096
 THROUGHPUT_CHUNK = 256  # prompt tokens per step in the throughput runs (the latency runs sweep it)
 RUNS = 3  # timed runs of each throughput row; the row is their median
+KIMI_CONTEXT = 4096  # the Kimi Linear servers' context: a compiled one builds one graph family (`CASCADE_SUM`)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -70,13 +73,14 @@ class Server:
     """``k3 serve`` in a subprocess (its defaults unless a prefill chunk is given); ``with Server(ckpt) as url``."""
 
     def __init__(self, ckpt: Path, prefill_chunk: int | None = None, compile: bool = False,
-                 max_batch: int | None = None) -> None:
+                 max_batch: int | None = None, max_model_len: int | None = None) -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.command = [sys.executable, "-m", "k3.cli", "serve", "--ckpt", str(ckpt), "--port", str(self.port),
                         "--model-name", "bench"] + (["--prefill-chunk", str(prefill_chunk)] if prefill_chunk else []) \
-            + (["--compile"] if compile else []) + (["--max-batch", str(max_batch)] if max_batch else [])
+            + (["--compile"] if compile else []) + (["--max-batch", str(max_batch)] if max_batch else []) \
+            + (["--max-model-len", str(max_model_len)] if max_model_len else [])
 
     def __enter__(self) -> str:
         import openai
@@ -275,13 +279,13 @@ def main() -> None:
     hf.eval(), ours.eval()
     pair = f"kimi-linear-{sum(p.numel() for p in ours.parameters()) / 1e6:.1f}M"
     kimi = save_model(work / "kimi-linear", ours, tokenizer)
-    with Server(kimi, THROUGHPUT_CHUNK) as url:
+    with Server(kimi, THROUGHPUT_CHUNK, max_model_len=KIMI_CONTEXT) as url:
         for c in concurrency:
             record({"model": pair, "impl": "kimi-k3 HTTP", "concurrency": c,
                     **median_of(RUNS, lambda: run_clients(url, prompts[:c], max_tokens))})
     n = concurrency[-1]
     start = time.perf_counter()
-    with Server(kimi, THROUGHPUT_CHUNK, compile=True, max_batch=n) as url:  # listens once every graph is built
+    with Server(kimi, THROUGHPUT_CHUNK, compile=True, max_batch=n, max_model_len=KIMI_CONTEXT) as url:  # listens once every graph is built
         warm_up = time.perf_counter() - start
         for c in concurrency:
             graphs = compiled_graphs(url)

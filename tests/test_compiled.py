@@ -179,3 +179,24 @@ def test_warm_up_builds_every_graph_a_server_reaches(tok):
     eager = run(Engine(model, tok, max_batch=2, prefill_chunk=4))
     assert run(Engine(model, tok, max_batch=2, prefill_chunk=4, compile=compiled)) == eager
     assert compiled.compilations == 4
+
+
+def test_caches_longer_than_the_cascade_sum_length_run_graphs_that_warm_up_built():
+    """Inductor's C++ code sums more than `CASCADE_SUM` fp32 terms in chunks, so a graph compiled on a short cache
+    guards on the attention's length staying at most 4,096: a warm decode step that crossed it raised dynamo's
+    "Recompilation triggered with skip_guard_eval_unsafe" (a failed request under ``k3 serve --compile``). With a
+    context past it, `warm_up` builds each piece and bucket again on a 4,096-position cache; a decode step and a
+    prefill piece crossing the length then give eager's tokens and compile nothing."""
+    torch.manual_seed(0)
+    model = K3ForCausalLM(dataclasses.replace(preset("tiny"), context_length=8192)).eval()
+    compiled = CompiledModel(model, batches=(1,), sizes=(4, 1), tuned=False)
+    compiled.warm_up(max_batch=1)
+    assert sorted(key[:4] for key in compiled.compile_seconds) == [
+        ("decode", 1, 1, 2), ("decode", 1, 1, 3), ("prefill", 1, 4, 0), ("prefill", 1, 4, 2), ("prefill", 1, 4, 3)]
+    text = torch.randint(0, model.config.vocab_size, (1, 4101), generator=torch.Generator().manual_seed(0))
+    # decode steps from 4,090 cached positions to 4,098; then 4-pieces up to a cache of 4,100 (the last one long)
+    for prompt, steps in ((text[:, :4090], 8), (text, 2)):
+        with torch.inference_mode():  # as the engine steps, and as warm_up built the graphs
+            eager, fast, worst = _generate_both(model, compiled, prompt, steps)
+        assert fast == eager and worst < LOGIT_TOLERANCE
+    assert compiled.compilations == 5

@@ -293,9 +293,10 @@ def _serve(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) - 1))
     engine = _engine(args, **({"max_waiting": args.max_queue} if args.max_queue else {}))
     if engine.compiled is not None:  # every graph built before the first request: none stalls a running batch
-        seconds = engine.compiled.warm_up(engine.max_batch)
+        seconds = engine.compiled.warm_up(engine.max_batch, engine.max_model_len)
         print(f"k3 serve: {engine.compiled.compilations} graphs compiled in {seconds:.1f} s (decode batches up to "
-              f"{engine.compiled.bucket(engine.max_batch)}, prefill pieces {engine.compiled.sizes})", flush=True)
+              f"{engine.compiled.bucket(engine.max_batch)}, prefill pieces {engine.compiled.sizes}, context "
+              f"{engine.max_model_len} tokens)", flush=True)
     engine.start()
     name = args.model_name or Path(args.ckpt).resolve().name
     app = create_app(engine, name, api_key=args.api_key, default_mode=args.mode, limits=limits,

@@ -7,9 +7,9 @@ routers select and count with static-shape code (`k3.model.width.Router`), the r
 weights of each token's selected experts (`Experts._gathered`), and the token-id check runs here, before the call.
 
 Recompilation is deliberate. A graph is built per shape key — batch size, chunk length, whether the MLA caches hold
-0, 1 or more entries (dynamo specialises sizes 0 and 1; longer caches share one graph, their length marked dynamic),
-left padding or none — and ``compilations`` counts the graphs. `CompiledModel` keeps the keys a server reaches to a
-set it can build before serving (`warm_up`, ``k3 serve --compile``): the first tokens of a sequence (a cache of 0 or
+0, 1 or more entries (dynamo specialises sizes 0 and 1; longer caches share one graph, their length marked dynamic,
+up to `CASCADE_SUM` attended positions and beyond it another), left padding or none — and ``compilations`` counts
+the graphs. `CompiledModel` keeps the keys a server reaches to a set it can build before serving (`warm_up`, ``k3 serve --compile``): the first tokens of a sequence (a cache of 0 or
 1 positions) run eagerly, and a decode batch always carries its padding. A key seen before runs under
 ``skip_guard_eval_unsafe`` (only the guards that tell its graphs apart), which saves ~0.5 ms of guard checks per
 call; the key also holds what else a guard tests (dtypes, strides made canonical, train/eval mode, where the
@@ -43,6 +43,9 @@ from k3.model.state import DecoderState
 
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32)
 PREFILL_PIECES = (64, 16, 4, 1)
+# inductor's C++ code sums more than this many fp32 terms in chunks (`need_use_acc_helper` in its cpp codegen), so a
+# graph of a dynamic cache length holds a guard on which side of it the attention's length lies: two graph families
+CASCADE_SUM = 4096
 _RESETS = [0]  # `torch.compiler.reset` calls made here: every shape key seen before is cold again
 
 
@@ -107,8 +110,9 @@ class CompiledStep:
                     torch._dynamo.maybe_mark_dynamic(t, 1)
             else:
                 dtypes.add(layer.recurrent.dtype)
-        shape = (*input_ids.shape, cached(state), state.padding is None, state.depth is None, frozenset(dtypes),
-                 self.model.training, torch.is_inference_mode_enabled())  # inference tensors dispatch differently
+        shape = (*input_ids.shape, cached(state, input_ids.shape[1]), state.padding is None, state.depth is None,
+                 frozenset(dtypes), self.model.training,
+                 torch.is_inference_mode_enabled())  # inference tensors dispatch differently
         key, built = (*shape, weights, _RESETS[0]), self.compilations
         warm = key in self._warm
         if warm:
@@ -138,10 +142,14 @@ def _canonical(t: Tensor) -> Tensor:
     return t if t.stride() == tuple(reversed(expected)) else t.clone(memory_format=torch.contiguous_format)
 
 
-def cached(state: DecoderState) -> int:
-    """The cache part of a shape key: the MLA caches' length, 0, 1 or 2 for "2 or more" (dynamo specialises sizes 0
-    and 1; longer caches share a graph); 2 for a model without MLA layers."""
-    return min([2, *(layer.length for layer in state.layers if isinstance(layer, MLACache))])
+def cached(state: DecoderState, tokens: int = 1) -> int:
+    """The cache part of a shape key for a step of ``tokens`` new positions: the MLA caches' length, 0, 1, 2 for "2 or
+    more" (dynamo specialises sizes 0 and 1; longer caches share a graph) or 3 where the attention spans more than
+    `CASCADE_SUM` positions; 2 for a model without MLA layers."""
+    length = min((layer.length for layer in state.layers if isinstance(layer, MLACache)), default=None)
+    if length is None:
+        return 2
+    return length if length < 2 else 3 if length + tokens > CASCADE_SUM else 2
 
 
 def pieces(length: int, sizes: tuple[int, ...] = PREFILL_PIECES) -> list[int]:
@@ -216,23 +224,36 @@ class CompiledModel:
         return self.decode_step._forward(input_ids, state)
 
     @torch.inference_mode()
-    def warm_up(self, max_batch: int) -> float:
+    def warm_up(self, max_batch: int, max_model_len: int | None = None) -> float:
         """Compile every graph that serving with at most ``max_batch`` requests reaches, before any request arrives
         (vLLM's capture at start-up): each prefill piece on an empty cache and on a longer one, each decode bucket up
-        to ``bucket(max_batch)`` on stacked rows — in inference mode, as the engine steps. Returns the seconds taken;
-        afterwards no traffic compiles."""
+        to ``bucket(max_batch)`` on stacked rows — in inference mode, as the engine steps — and, where a context of
+        ``max_model_len`` tokens (default: the model's) passes `CASCADE_SUM` positions, the pieces and buckets again on
+        a cache that long. Returns the seconds taken; afterwards no traffic compiles."""
         start = time.perf_counter()
+        contexts = [self._context(2)]
+        if (max_model_len or self.model.config.context_length) > CASCADE_SUM:
+            contexts.append(self._context(CASCADE_SUM))
         device = next(self.model.parameters()).device
         ids = lambda batch, length: torch.zeros(batch, length, dtype=torch.long, device=device)  # noqa: E731
-        _, context = self._eager(ids(1, 2), self.model.new_state(1, device))  # a cache of 2 positions
         for size in self.sizes:
             if size > 1:
-                self.prefill_step(ids(1, size), self.model.new_state(1, device))
-                self.prefill_step(ids(1, size), context)
-        for batch in self.batches:
-            if batch <= self.bucket(max_batch):
-                self.decode(ids(batch, 1), DecoderState.stack([context] * batch))
+                for context in [self.model.new_state(1, device), *contexts]:
+                    self.prefill_step(ids(1, size), context)
+        for context in contexts:
+            for batch in self.batches:
+                if batch <= self.bucket(max_batch):
+                    self.decode(ids(batch, 1), DecoderState.stack([context] * batch))
         return time.perf_counter() - start
+
+    def _context(self, length: int, chunk: int = 512) -> DecoderState:
+        """The state after ``length`` zero tokens, prefilled eagerly in chunks of ``chunk``."""
+        device = next(self.model.parameters()).device
+        state = self.model.new_state(1, device)
+        for start in range(0, length, chunk):
+            ids = torch.zeros(1, min(chunk, length - start), dtype=torch.long, device=device)
+            state = self._eager(ids, state)[1]
+        return state
 
     def __call__(self, input_ids: Tensor, state: DecoderState) -> tuple[Tensor, DecoderState]:
         """`decode` for one token per row, `prefill` otherwise."""
