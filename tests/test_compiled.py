@@ -85,6 +85,27 @@ def test_tuned_decode_equals_eager_and_recompiles_when_the_frozen_weights_change
     eager_after, fast_after, worst = _generate_both(model, compiled, prompt, steps=5)
     assert fast_after == eager_after != eager and worst < LOGIT_TOLERANCE
     assert compiled.decode_step.compilations == 2  # the frozen graph, built again once
+    model.lm_head.weight = torch.nn.Parameter(-model.lm_head.weight.detach())  # a new tensor assigned, as it was
+    eager_new, fast_new, worst = _generate_both(model, compiled, prompt, steps=5)
+    assert fast_new == eager_new == eager and worst < LOGIT_TOLERANCE
+    assert compiled.decode_step.compilations == 3
+
+
+def test_a_changed_thread_count_runs_a_graph_of_its_own():
+    """dynamo guards on the thread count (its global state): a warm step after ``torch.set_num_threads`` raised
+    "Recompilation triggered with skip_guard_eval_unsafe" until the count joined the shape key."""
+    model = serving.model()
+    compiled = CompiledModel(model, sizes=(4, 1), tuned=False)
+    prompt = torch.tensor([serving.prompts()[2][:5]])
+    threads = torch.get_num_threads()
+    try:
+        for count in (threads, 1, threads):
+            torch.set_num_threads(count)
+            eager, fast, worst = _generate_both(model, compiled, prompt, steps=3)
+            assert fast == eager and worst < LOGIT_TOLERANCE
+    finally:
+        torch.set_num_threads(threads)
+    assert compiled.compilations == (4 if threads > 1 else 2)  # a 4-piece and a decode step per thread count
 
 
 @pytest.mark.slow
