@@ -285,7 +285,8 @@ def main() -> None:
                     **median_of(RUNS, lambda: run_clients(url, prompts[:c], max_tokens))})
     n = concurrency[-1]
     start = time.perf_counter()
-    with Server(kimi, THROUGHPUT_CHUNK, compile=True, max_batch=n, max_model_len=KIMI_CONTEXT) as url:  # listens once every graph is built
+    # the --compile server listens once every graph is built
+    with Server(kimi, THROUGHPUT_CHUNK, compile=True, max_batch=n, max_model_len=KIMI_CONTEXT) as url:
         warm_up = time.perf_counter() - start
         for c in concurrency:
             graphs = compiled_graphs(url)

@@ -9,11 +9,13 @@ weights of each token's selected experts (`Experts._gathered`), and the token-id
 Recompilation is deliberate. A graph is built per shape key — batch size, chunk length, whether the MLA caches hold
 0, 1 or more entries (dynamo specialises sizes 0 and 1; longer caches share one graph, their length marked dynamic,
 up to `CASCADE_SUM` attended positions and beyond it another), left padding or none — and ``compilations`` counts
-the graphs. `CompiledModel` keeps the keys a server reaches to a set it can build before serving (`warm_up`, ``k3 serve --compile``): the first tokens of a sequence (a cache of 0 or
-1 positions) run eagerly, and a decode batch always carries its padding. A key seen before runs under
+the graphs. `CompiledModel` keeps the keys a server reaches to a set it can build before serving (`warm_up`, ``k3
+serve --compile``): the first tokens of a sequence (a cache of 0 or 1 positions) run eagerly, and a decode batch
+always carries its padding. A key seen before runs under
 ``skip_guard_eval_unsafe`` (only the guards that tell its graphs apart), which saves ~0.5 ms of guard checks per
 call; the key also holds what else a guard tests (dtypes, strides made canonical, train/eval mode, the thread
-count, where the weights live and how often they were written), so a call that might need a new graph always runs every guard.
+count, where the weights live and how often they were written), so a call that might need a new graph always runs
+every guard.
 `CompiledModel` buckets the keys: decode batches are padded up to the next of `DECODE_BATCHES` with copies of row 0
 (vLLM's capture sizes), and a prefill chunk runs as pieces of the `PREFILL_PIECES` lengths (37 = 16 + 16 + 4 + 1) —
 exact, since the state carries across pieces, and no padding token ever enters a state.
@@ -47,7 +49,7 @@ PREFILL_PIECES = (64, 16, 4, 1)
 # graph of a dynamic cache length holds a guard on which side of it the attention's length lies: two graph families
 CASCADE_SUM = 4096
 _RESETS = [0]  # `torch.compiler.reset` calls made here: every shape key seen before is cold again
-_REGISTRATIONS = [0, 0]  # parameters and buffers (re)assigned on any module since torch.nn's hooks were set; set
+_REGISTRATIONS = [0, 0]  # [parameters and buffers (re)registered on any module, whether torch.nn's hooks are set]
 
 
 def _registered(*_: object) -> None:
