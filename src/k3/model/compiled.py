@@ -27,7 +27,8 @@ code fused with their neighbours instead of library calls, and the kernels are c
 on CPU, ~60 s of compilation per graph. Frozen weights are snapshots, so a change to the model's parameters (an
 optimiser step, a `load_state_dict`) is detected at the next call, which resets `torch.compiler` (every compiled
 graph of the process) and compiles anew. Compiled kernels are cached on disk by inductor. Importing this module
-imports nothing of the compiler.
+imports nothing of the compiler; it sets torch.nn's global parameter and buffer registration hooks (a counter that
+tells the weights' list went stale).
 """
 
 from __future__ import annotations
@@ -49,12 +50,16 @@ PREFILL_PIECES = (64, 16, 4, 1)
 # graph of a dynamic cache length holds a guard on which side of it the attention's length lies: two graph families
 CASCADE_SUM = 4096
 _RESETS = [0]  # `torch.compiler.reset` calls made here: every shape key seen before is cold again
-_REGISTRATIONS = [0, 0]  # [parameters and buffers (re)registered on any module, whether torch.nn's hooks are set]
+_REGISTRATIONS = [0]  # parameters and buffers (re)registered on any module since this module was imported
 
 
 def _registered(*_: object) -> None:
     """torch.nn's global hook on a parameter or buffer assigned to any module."""
     _REGISTRATIONS[0] += 1
+
+
+torch.nn.modules.module.register_module_parameter_registration_hook(_registered)
+torch.nn.modules.module.register_module_buffer_registration_hook(_registered)
 
 
 class CompiledStep:
@@ -66,10 +71,6 @@ class CompiledStep:
         self.compilations = 0
         self.compile_seconds: dict[tuple, float] = {}  # shape key -> seconds of the call that compiled it
         self._warm: set[tuple] = set()
-        if not _REGISTRATIONS[1]:
-            torch.nn.modules.module.register_module_parameter_registration_hook(_registered)
-            torch.nn.modules.module.register_module_buffer_registration_hook(_registered)
-            _REGISTRATIONS[1] = 1
         self._registrations, self._tensors = -1, []
         self._weights = self._weights_version()
         self._compiled = torch.compile(self._forward, backend=self._backend, dynamic=False)
@@ -251,25 +252,25 @@ class CompiledModel:
         contexts = [self._context(2)]
         if (max_model_len or self.model.config.context_length) > CASCADE_SUM:
             contexts.append(self._context(CASCADE_SUM))
-        device = next(self.model.parameters()).device
-        ids = lambda batch, length: torch.zeros(batch, length, dtype=torch.long, device=device)  # noqa: E731
         for size in self.sizes:
             if size > 1:
-                for context in [self.model.new_state(1, device), *contexts]:
-                    self.prefill_step(ids(1, size), context)
+                for context in [self._context(0), *contexts]:
+                    self.prefill_step(self._zeros(1, size), context)
         for context in contexts:
             for batch in self.batches:
                 if batch <= self.bucket(max_batch):
-                    self.decode(ids(batch, 1), DecoderState.stack([context] * batch))
+                    self.decode(self._zeros(batch, 1), DecoderState.stack([context] * batch))
         return time.perf_counter() - start
+
+    def _zeros(self, batch: int, length: int) -> Tensor:
+        """Token ids ``[batch, length]`` of zeros, on the model's device."""
+        return torch.zeros(batch, length, dtype=torch.long, device=next(self.model.parameters()).device)
 
     def _context(self, length: int, chunk: int = 512) -> DecoderState:
         """The state after ``length`` zero tokens, prefilled eagerly in chunks of ``chunk``."""
-        device = next(self.model.parameters()).device
-        state = self.model.new_state(1, device)
+        state = self.model.new_state(1, next(self.model.parameters()).device)
         for start in range(0, length, chunk):
-            ids = torch.zeros(1, min(chunk, length - start), dtype=torch.long, device=device)
-            state = self._eager(ids, state)[1]
+            state = self._eager(self._zeros(1, min(chunk, length - start)), state)[1]
         return state
 
     def __call__(self, input_ids: Tensor, state: DecoderState) -> tuple[Tensor, DecoderState]:
