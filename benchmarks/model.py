@@ -120,11 +120,11 @@ def operator_profile(model: K3ForCausalLM, context: int, steps: int = 20, top: i
     inductor.cpp.enable_kernel_profile = True  # a record per generated kernel: the graph's time, attributed
     compiled = CompiledModel(model)
     token, state = prefilled(model, 1, context)
-    for _ in range(3):
-        compiled.decode(token, state)
+    for _ in range(3):  # each step continues the last, as decoding does (the MLA caches grow in place)
+        _, state = compiled.decode(token, state)
     with profile() as prof:
         for _ in range(steps):
-            compiled.decode(token, state)
+            _, state = compiled.decode(token, state)
     events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
     total = sum(e.self_cpu_time_total for e in events)
     rows = [{"operator": e.key[:60], "calls_per_step": e.count / steps, "ms_per_step": e.self_cpu_time_total / 1e3

@@ -17,6 +17,7 @@ import serving
 from k3 import K3ForCausalLM
 from k3.config import preset
 from k3.model.compiled import CompiledModel, pieces
+from k3.model.sequence.mla import MLACache
 from k3.model.state import DecoderState
 
 LOGIT_TOLERANCE = 1e-4
@@ -221,3 +222,29 @@ def test_caches_longer_than_the_cascade_sum_length_run_graphs_that_warm_up_built
             eager, fast, worst = _generate_both(model, compiled, prompt, steps)
         assert fast == eager and worst < LOGIT_TOLERANCE
     assert compiled.compilations == 5
+
+
+def test_compiled_decode_writes_the_caches_in_place_and_a_second_continuation_gets_its_own():
+    """Decode steps write each MLA cache's new entry in place into its storage (no copy of the cache per step);
+    continuing an earlier state again (as the prefix cache and speculation do) moves it to new storage and leaves
+    every cache already returned unchanged."""
+    model = serving.model()
+    compiled = CompiledModel(model, sizes=(4, 1), tuned=False)
+    logits, state = compiled(torch.tensor([serving.prompts()[3][:6]]), model.new_state(1))
+    token = logits.argmax(-1, keepdim=True)
+    _, one = compiled(token, state)
+    _, two = compiled(token, one)
+    mla = [i for i, layer in enumerate(state.layers) if isinstance(layer, MLACache)]
+    assert mla and all(two.layers[i].storage is one.layers[i].storage is not None for i in mla)
+    assert all(two.layers[i].latent.data_ptr() == one.layers[i].latent.data_ptr() for i in mla)
+    kept = [two.layers[i].latent.clone() for i in mla]
+    other = (token + 1) % model.config.vocab_size
+    fork_logits, fork = compiled(other, one)
+    with torch.no_grad():
+        eager_logits, eager = model(other, state=one)
+    assert float((fork_logits - eager_logits[:, -1]).abs().max()) < LOGIT_TOLERANCE
+    for i, latent in zip(mla, kept, strict=True):
+        assert fork.layers[i].storage is not one.layers[i].storage
+        assert torch.equal(two.layers[i].latent, latent) and torch.equal(two.layers[i].latent[:, :-1],
+                                                                         one.layers[i].latent)
+        torch.testing.assert_close(fork.layers[i].latent, eager.layers[i].latent, atol=1e-5, rtol=1e-5)

@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from k3.config import mla_layer_parameters, preset
+from k3.model.sequence import mla
 from k3.model.sequence.mla import GatedMLA, MLACache
 from peers import transformers_kimi_linear
 
@@ -221,11 +222,53 @@ def test_passed_in_state_is_untouched():
     for chunk in (x[:, 4:5], x[:, 4:]):
         _, new = m(chunk, state)
         assert new is not state and new.length == 4 + chunk.shape[1]
-        assert new.latent.data_ptr() != state.latent.data_ptr()
     assert state.length == 4
     assert torch.equal(state.latent, before[0]) and torch.equal(state.shared_key, before[1])
     with pytest.raises(dataclasses.FrozenInstanceError):
         state.latent = before[0]
+
+
+@settings(max_examples=40, deadline=None)
+@given(steps=st.lists(st.tuples(st.integers(0, 10 ** 6), st.integers(1, 3)), min_size=1, max_size=14),
+       slack=st.integers(1, 4))
+def test_appends_in_place_never_change_a_cache_any_continuation_sees(steps, slack):
+    """Continue any earlier cache (a second continuation of one state, as prefix caching and speculation do) with
+    new entries: every cache keeps exactly the entries appended along its own history, whether `append` wrote in
+    place into shared storage or moved to new storage (a small `SLACK` makes the storage fill and move often)."""
+    gen = torch.Generator().manual_seed(len(steps))
+    caches = [MLACache(torch.randn(2, 3, 5, generator=gen), torch.randn(2, 3, 2, generator=gen))]
+    expected = [(caches[0].latent.clone(), caches[0].shared_key.clone())]
+    with mock.patch.object(mla, "SLACK", slack):
+        for pick, tokens in steps:
+            i = pick % len(caches)
+            latent, key = torch.randn(2, tokens, 5, generator=gen), torch.randn(2, tokens, 2, generator=gen)
+            caches.append(caches[i].append(latent, key))
+            expected.append((torch.cat([expected[i][0], latent], 1), torch.cat([expected[i][1], key], 1)))
+    for cache, (latent, key) in zip(caches, expected, strict=True):
+        assert torch.equal(cache.latent, latent) and torch.equal(cache.shared_key, key)
+
+
+def test_decoding_appends_in_place_and_falls_back_where_it_must():
+    """A decode chain writes into one storage; a cache of inference tensors continued outside inference mode, or
+    under autograd, gets new tensors (an in-place write there would raise or break the backward)."""
+    m = module()
+    x = inputs(T=6)
+    with torch.inference_mode():
+        state = m(x[:, :4], m.new_state(2))[1]
+        one = m(x[:, 4:5], state)[1]
+        two = m(x[:, 5:6], one)[1]
+    assert one.storage is state.storage is two.storage and two.latent.data_ptr() == state.latent.data_ptr()
+    again = m(x[:, 5:6], one)[1]  # `one` is no longer its storage's longest view, and holds inference tensors
+    assert again.storage is not state.storage and torch.equal(again.latent, two.latent)
+    w = m.kv_a_proj.weight
+    w.requires_grad_(True)
+    try:
+        y, after = m(x[:, 5:6], m(x[:, :5], m.new_state(2))[1])
+        y.sum().backward()
+        assert after.storage is None and w.grad is not None
+    finally:
+        w.requires_grad_(False)
+        w.grad = None
 
 
 def test_bf16_close_to_fp64():

@@ -9,9 +9,12 @@ weights of each token's selected experts (`Experts._gathered`), and the token-id
 Recompilation is deliberate. A graph is built per shape key — batch size, chunk length, whether the MLA caches hold
 0, 1 or more entries (dynamo specialises sizes 0 and 1; longer caches share one graph, their length marked dynamic,
 up to `CASCADE_SUM` attended positions and beyond it another), left padding or none — and ``compilations`` counts
-the graphs. `CompiledModel` keeps the keys a server reaches to a set it can build before serving (`warm_up`, ``k3
-serve --compile``): the first tokens of a sequence (a cache of 0 or 1 positions) run eagerly, and a decode batch
-always carries its padding. A key seen before runs under
+the graphs. The MLA caches enter a graph as `k3.model.sequence.mla.MLASlots` (their storage with room for the step's
+entries, its length carried as a dynamic size) and the graph writes the new entries in place, so a decode step no
+longer copies the caches (`MLACache` keeps its values immutable: a second continuation of a state moves to new
+storage); compiled, the products over the cache are generated reductions. `CompiledModel` keeps the keys a server
+reaches to a set it can build before serving (`warm_up`, ``k3 serve --compile``): the first tokens of a sequence (a
+cache of 0 or 1 positions) run eagerly, and a decode batch always carries its padding. A key seen before runs under
 ``skip_guard_eval_unsafe`` (only the guards that tell its graphs apart), which saves ~0.5 ms of guard checks per
 call; the key also holds what else a guard tests (dtypes, strides made canonical, train/eval mode, the thread
 count, where the weights live and how often they were written), so a call that might need a new graph always runs
@@ -34,14 +37,15 @@ tells the weights' list went stale).
 from __future__ import annotations
 
 import time
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import torch
 from torch import Tensor
 
 from k3.model.lm import K3ForCausalLM
 from k3.model.projections import fused
-from k3.model.sequence.mla import MLACache
+from k3.model.sequence.kda import KDAState
+from k3.model.sequence.mla import MLACache, MLASlots
 from k3.model.state import DecoderState
 
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32)
@@ -119,17 +123,11 @@ class CompiledStep:
             torch.compiler.reset()
             _RESETS[0] += 1
         self._weights = weights
-        input_ids, state = _canonical(input_ids), state.apply(_canonical)
-        dtypes = set()
-        for layer in state.layers:
-            if isinstance(layer, MLACache):
-                dtypes.add(layer.latent.dtype)
-                for t in (layer.latent, layer.shared_key):
-                    torch._dynamo.maybe_mark_dynamic(t, 1)
-            else:
-                dtypes.add(layer.recurrent.dtype)
-        shape = (*input_ids.shape, cached(state, input_ids.shape[1]), state.padding is None, state.depth is None,
-                 frozenset(dtypes), self.model.training, torch.get_num_threads(),  # a guard of dynamo's global state
+        tokens = input_ids.shape[1]
+        shape = (*input_ids.shape, cached(state, tokens), state.padding is None, state.depth is None,
+                 frozenset(layer.latent.dtype if isinstance(layer, MLACache) else layer.recurrent.dtype
+                           for layer in state.layers),
+                 self.model.training, torch.get_num_threads(),  # a guard of dynamo's global state
                  torch.is_inference_mode_enabled())  # inference tensors dispatch differently
         key, built = (*shape, weights, _RESETS[0]), self.compilations
         warm = key in self._warm
@@ -139,15 +137,51 @@ class CompiledStep:
             from torch._inductor import config as inductor
 
             stance = inductor.patch(self._options())
+        slots = _slots(state, tokens)
+        inputs = DecoderState([_graph_input(layer) for layer in slots], _optional(state.depth), 0,
+                              _optional(state.padding))
         start = time.perf_counter()
         # frozen weights: the products of one input run as one (`k3.model.projections`); the token count is
         # bookkeeping outside the graph (a Python int the graph would specialise on)
         with stance, fused(self.tuned):
-            logits, after = self._compiled(input_ids, replace(state, position=0))
+            logits, after = self._compiled(_canonical(input_ids), inputs)
         self._warm.add(key)
         if self.compilations > built:
             self.compile_seconds[shape] = time.perf_counter() - start
-        return logits, replace(after, position=state.position + input_ids.shape[1])
+        layers = [_advanced(out, before) if isinstance(before, MLASlots) else out
+                  for out, before in zip(after.layers, slots, strict=True)]
+        return logits, replace(after, layers=layers, position=state.position + tokens)
+
+
+def _slots(state: DecoderState, tokens: int) -> list:
+    """Each MLA layer's cache as `MLASlots` with room for ``tokens`` entries (the graph writes them in place), all of
+    one capacity (a graph's symbolic sizes of equal values are one symbol, which later calls must keep equal)."""
+    slots = [layer.slots(tokens) if isinstance(layer, MLACache) else layer for layer in state.layers]
+    if len({s.latent_storage.shape[1] for s in slots if isinstance(s, MLASlots)}) > 1:
+        slots = [MLACache(s.latent, s.shared_key).slots(tokens) if isinstance(s, MLASlots) else s for s in slots]
+    return slots
+
+
+def _graph_input(layer: KDAState | MLASlots) -> KDAState | MLASlots:
+    """A layer's state as a graph input: `MLASlots` without its Python bookkeeping, the storage's length dimension
+    and the length carrier marked dynamic; a KDA state with canonical strides."""
+    if not isinstance(layer, MLASlots):
+        return replace(layer, **{f.name: _canonical(getattr(layer, f.name)) for f in fields(layer)})
+    for t in (layer.latent_storage, layer.key_storage):
+        torch._dynamo.maybe_mark_dynamic(t, 1)
+    torch._dynamo.maybe_mark_dynamic(layer.filled, 0)
+    return replace(layer, storage=None)
+
+
+def _advanced(out: MLACache, before: MLASlots) -> MLACache:
+    """The graph's output cache (views of the storage it wrote into) tied to that storage, now that much longer."""
+    before.storage.length = out.length
+    object.__setattr__(out, "_storage", before.storage)
+    return out
+
+
+def _optional(t: Tensor | None) -> Tensor | None:
+    return None if t is None else _canonical(t)
 
 
 def _canonical(t: Tensor) -> Tensor:

@@ -31,10 +31,34 @@ from k3.config import K3Config
 from k3.model.norm import RMSNorm
 from k3.model.projections import project
 
-__all__ = ["MLACache", "GatedMLA"]
+__all__ = ["MLACache", "MLASlots", "Storage", "GatedMLA"]
 
 PATHS = ("full", "absorbed")
 RECORD_BLOCK = 512  # query rows per block when recording QK-clip's max logits
+
+
+SLACK = 256  # positions reserved (at least, rounded to a multiple) past a cache's length when it moves to new storage
+
+
+@dataclass(eq=False)
+class Storage:
+    """Preallocated positions behind MLA caches (vLLM's preallocated KV cache, kept immutable to its readers):
+    ``latent [B, C, kv_lora_rank]`` and ``shared_key [B, C, qk_shared_head_dim]`` of capacity C, whose first
+    ``length`` positions are written — the entries of the longest cache that views it."""
+
+    latent: Tensor
+    shared_key: Tensor
+    length: int
+
+    @classmethod
+    def holding(cls, cache: MLACache, needed: int) -> Storage:
+        """New storage holding ``cache``'s entries, with room for ``needed`` positions and `SLACK` or a quarter more."""
+        B, L, _ = cache.latent.shape
+        capacity = -(-(needed + max(SLACK, needed // 4)) // SLACK) * SLACK
+        out = cls(*(t.new_empty(B, capacity, t.shape[2]) for t in (cache.latent, cache.shared_key)), L)
+        out.latent[:, :L] = cache.latent
+        out.shared_key[:, :L] = cache.shared_key
+        return out
 
 
 @dataclass(frozen=True)
@@ -42,8 +66,11 @@ class MLACache:
     """The whole per-layer MLA cache (SPEC §2): ``kv_lora_rank + qk_shared_head_dim`` scalars per token.
 
     ``latent`` ``[B, L, kv_lora_rank]`` is the RMS-normalised ``c_kv``; ``shared_key``
-    ``[B, L, qk_shared_head_dim]`` is the unrotated shared key ``k_s``. Values are immutable:
-    `append` returns a new cache and never writes into existing tensors.
+    ``[B, L, qk_shared_head_dim]`` is the unrotated shared key ``k_s``. Values are immutable: `append` returns a new
+    cache, and a cache's entries never change. Without autograd the entries live in a `Storage` with room to grow,
+    and `append` writes the new entries in place past them — only when no cache viewing that storage is longer (the
+    storage's ``length`` equals this cache's), so that no cache sees a position change; otherwise (a second
+    continuation of one state, a cache built from plain tensors) the entries move to new storage first.
     """
 
     latent: Tensor
@@ -54,9 +81,67 @@ class MLACache:
         """Number of cached tokens L."""
         return self.latent.shape[1]
 
+    @property
+    def storage(self) -> Storage | None:
+        """The storage this cache views and may append into (None: a cache built from plain tensors)."""
+        return self.__dict__.get("_storage")
+
     def append(self, latent: Tensor, shared_key: Tensor) -> MLACache:
         """A new cache with ``[B, T, ·]`` entries appended after the current L."""
-        return MLACache(torch.cat([self.latent, latent], dim=1), torch.cat([self.shared_key, shared_key], dim=1))
+        if torch.compiler.is_compiling() or latent.requires_grad or self.latent.requires_grad:
+            return MLACache(torch.cat([self.latent, latent], dim=1), torch.cat([self.shared_key, shared_key], dim=1))
+        return self.slots(latent.shape[1]).append(latent, shared_key)
+
+    def slots(self, tokens: int) -> MLASlots:
+        """This cache's entries with room for ``tokens`` more written in place: in its own storage where it is the
+        longest cache viewing it and the storage has room, else in new storage."""
+        L, store = self.length, self.storage
+        writable = (store is not None and store.length == L and store.latent.shape[1] >= L + tokens
+                    and (torch.is_inference_mode_enabled() or not store.latent.is_inference()))
+        if not writable:
+            store = Storage.holding(self, L + tokens)
+        return MLASlots(store.latent, store.shared_key, store.latent.new_empty(1).expand(L), store)
+
+
+@dataclass(frozen=True)
+class MLASlots:
+    """An MLA cache of ``filled.shape[0]`` entries at the front of preallocated ``latent_storage [B, C, r]`` and
+    ``key_storage [B, C, s]`` (`MLACache.slots`; a compiled step's input, `k3.model.compiled`, whose graph writes
+    the new entries in place). ``filled`` carries the length as a size (a zero-stride tensor), which a compiled
+    graph keeps symbolic; ``storage`` (None inside a graph) is advanced by `append`."""
+
+    latent_storage: Tensor
+    key_storage: Tensor
+    filled: Tensor
+    storage: Storage | None = None
+
+    @property
+    def length(self) -> int:
+        return self.filled.shape[0]
+
+    @property
+    def latent(self) -> Tensor:
+        return self.latent_storage[:, :self.length]
+
+    @property
+    def shared_key(self) -> Tensor:
+        return self.key_storage[:, :self.length]
+
+    def append(self, latent: Tensor, shared_key: Tensor) -> MLACache:
+        """Write ``[B, T, ·]`` entries at positions L..L+T−1; returns the cache of L + T entries that views them."""
+        for name, new, storage in (("latent", latent, self.latent_storage), ("shared_key", shared_key,
+                                                                               self.key_storage)):
+            if new.dim() != 3 or new.shape[0] != storage.shape[0] or new.shape[2] != storage.shape[2]:
+                raise ValueError(f"append: {name} must be [B={storage.shape[0]}, T, {storage.shape[2]}], "
+                                 f"got {list(new.shape)}")
+        end = self.length + latent.shape[1]
+        self.latent_storage[:, self.length:end].copy_(latent)
+        self.key_storage[:, self.length:end].copy_(shared_key)
+        out = MLACache(self.latent_storage[:, :end], self.key_storage[:, :end])
+        if self.storage is not None:
+            self.storage.length = end
+            object.__setattr__(out, "_storage", self.storage)
+        return out
 
 
 def _known_equal(a: int, b: int) -> bool:
@@ -237,12 +322,21 @@ class GatedMLA(nn.Module):
         q_content, q_shared = q.to(dtype).split([self.nope_dim, self.shared_dim], dim=-1)
         # heads and positions share the cache, so they form one query axis of H·T rows (no per-head copies)
         q_latent = torch.einsum("bhtn,hnr->bhtr", q_content, w_uk).reshape(B, H * T, -1)
-        scores = torch.baddbmm(q_latent @ latent.transpose(1, 2), q_shared.reshape(B, H * T, -1),
-                               shared_key.transpose(1, 2)).view(B, H, T, -1) * self.scale
+        q_shared = q_shared.reshape(B, H * T, -1)
+        # compiled, the products over the cache are generated reductions, parallel over its positions: MKL's
+        # batched products with H·T = 4 query rows read `small`'s cache at half the rate on CPU (issue 18)
+        reduce = torch.compiler.is_compiling()
+        if reduce:
+            scores = ((q_latent[:, :, None] * latent[:, None]).sum(-1)
+                      + (q_shared[:, :, None] * shared_key[:, None]).sum(-1))
+        else:
+            scores = torch.baddbmm(q_latent @ latent.transpose(1, 2), q_shared, shared_key.transpose(1, 2))
+        scores = scores.view(B, H, T, -1) * self.scale
         mask = self._mask(T, cache.length, padding, q.device)
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))
-        o_latent = torch.softmax(scores, dim=-1).view(B, H * T, -1) @ latent  # [B, H·T, r]
+        probs = torch.softmax(scores, dim=-1).view(B, H * T, -1)
+        o_latent = (probs[..., None] * latent[:, None]).sum(2) if reduce else probs @ latent  # [B, H·T, r]
         return torch.einsum("bhtr,hvr->bthv", o_latent.view(B, H, T, -1), w_uv).to(q.dtype)
 
     # ------------------------------------------------------------------ validation
@@ -259,7 +353,7 @@ class GatedMLA(nn.Module):
             if padding is not None:
                 raise ValueError("padding: only meaningful with a state (a padded cache)")
             return
-        if not isinstance(state, MLACache):
+        if not isinstance(state, MLACache | MLASlots):
             raise ValueError(f"state: expected an MLACache or None, got {type(state).__name__}")
         B = x.shape[0]
         for name, t, width in (("latent", state.latent, self.kv_lora_rank),
