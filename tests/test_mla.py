@@ -238,7 +238,7 @@ def test_appends_in_place_never_change_a_cache_any_continuation_sees(steps, slac
     gen = torch.Generator().manual_seed(len(steps))
     caches = [MLACache(torch.randn(2, 3, 5, generator=gen), torch.randn(2, 3, 2, generator=gen))]
     expected = [(caches[0].latent.clone(), caches[0].shared_key.clone())]
-    with mock.patch.object(mla, "SLACK", slack):
+    with mock.patch.object(mla, "SLACK", slack), torch.no_grad():
         for pick, tokens in steps:
             i = pick % len(caches)
             latent, key = torch.randn(2, tokens, 5, generator=gen), torch.randn(2, tokens, 2, generator=gen)
@@ -250,7 +250,8 @@ def test_appends_in_place_never_change_a_cache_any_continuation_sees(steps, slac
 
 def test_decoding_appends_in_place_and_falls_back_where_it_must():
     """A decode chain writes into one storage; a cache of inference tensors continued outside inference mode, or
-    under autograd, gets new tensors (an in-place write there would raise or break the backward)."""
+    with grad mode on, gets new tensors (an in-place write there would raise, or break a backward that saved a view
+    of the cache)."""
     m = module()
     x = inputs(T=6)
     with torch.inference_mode():
@@ -258,12 +259,14 @@ def test_decoding_appends_in_place_and_falls_back_where_it_must():
         one = m(x[:, 4:5], state)[1]
         two = m(x[:, 5:6], one)[1]
     assert one.storage is state.storage is two.storage and two.latent.data_ptr() == state.latent.data_ptr()
-    again = m(x[:, 5:6], one)[1]  # `one` is no longer its storage's longest view, and holds inference tensors
+    with torch.no_grad():  # `one` is no longer its storage's longest view, and holds inference tensors
+        again = m(x[:, 5:6], one)[1]
     assert again.storage is not state.storage and torch.equal(again.latent, two.latent)
-    w = m.kv_a_proj.weight
+    w = m.q_a_proj.weight  # only the queries train: the cache's entries need no gradient, the backward reads them
     w.requires_grad_(True)
     try:
-        y, after = m(x[:, 5:6], m(x[:, :5], m.new_state(2))[1])
+        y, after = m(x[:, 4:5], m(x[:, :4], m.new_state(2))[1])
+        m(x[:, 5:6], after)  # continuing `after` must not write into the storage its attention's backward reads
         y.sum().backward()
         assert after.storage is None and w.grad is not None
     finally:

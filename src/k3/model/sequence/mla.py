@@ -67,7 +67,8 @@ class MLACache:
 
     ``latent`` ``[B, L, kv_lora_rank]`` is the RMS-normalised ``c_kv``; ``shared_key``
     ``[B, L, qk_shared_head_dim]`` is the unrotated shared key ``k_s``. Values are immutable: `append` returns a new
-    cache, and a cache's entries never change. Without autograd the entries live in a `Storage` with room to grow,
+    cache, and a cache's entries never change. With grad mode off (``torch.no_grad``, inference mode: decoding)
+    the entries live in a `Storage` with room to grow,
     and `append` writes the new entries in place past them — only when no cache viewing that storage is longer (the
     storage's ``length`` equals this cache's), so that no cache sees a position change; otherwise (a second
     continuation of one state, a cache built from plain tensors) the entries move to new storage first.
@@ -88,7 +89,7 @@ class MLACache:
 
     def append(self, latent: Tensor, shared_key: Tensor) -> MLACache:
         """A new cache with ``[B, T, ·]`` entries appended after the current L."""
-        if torch.compiler.is_compiling() or latent.requires_grad or self.latent.requires_grad:
+        if torch.compiler.is_compiling() or torch.is_grad_enabled():  # autograd may hold views of the cache
             return MLACache(torch.cat([self.latent, latent], dim=1), torch.cat([self.shared_key, shared_key], dim=1))
         return self.slots(latent.shape[1]).append(latent, shared_key)
 
