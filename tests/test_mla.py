@@ -157,6 +157,19 @@ def test_absorbed_equals_full(name, dtype, tol, L0, T):
     torch.testing.assert_close(m._attend_absorbed(q, kv), m._attend_full(q, kv), **tol)
 
 
+@pytest.mark.parametrize("name", ["latent-q-gated", "odd"])
+def test_compiled_absorbed_reductions_equal_full_in_fp64(name):
+    """Traced by dynamo, `_attend_absorbed` takes its compiled form (the products over the cache as reductions,
+    `k3.model.compiled`); in fp64 it gives the full path's output (backend "eager": the traced form, no codegen)."""
+    m = module(name)
+    x = inputs(T=7)
+    q, c_kv, k_s, _ = m._project(x[:, 6:])
+    kv = m(x[:, :6], m.new_state(2))[1].append(c_kv, k_s)
+    traced = torch.compile(m._attend_absorbed, backend="eager", fullgraph=True)
+    torch._dynamo.reset()
+    torch.testing.assert_close(traced(q, kv), m._attend_full(q, kv), **F64)
+
+
 def test_default_path_is_absorbed_exactly_for_decode():
     m = module()
     x = inputs(T=5)

@@ -148,7 +148,8 @@ class CompiledStep:
         self._warm.add(key)
         if self.compilations > built:
             self.compile_seconds[shape] = time.perf_counter() - start
-        layers = [_advanced(out, before) if isinstance(before, MLASlots) else out
+        # the graph's output caches view the storage it wrote into: tie them to it, now that much longer
+        layers = [before.storage.advance(out) if isinstance(before, MLASlots) else out
                   for out, before in zip(after.layers, slots, strict=True)]
         return logits, replace(after, layers=layers, position=state.position + tokens)
 
@@ -171,13 +172,6 @@ def _graph_input(layer: KDAState | MLASlots) -> KDAState | MLASlots:
         torch._dynamo.maybe_mark_dynamic(t, 1)
     torch._dynamo.maybe_mark_dynamic(layer.filled, 0)
     return replace(layer, storage=None)
-
-
-def _advanced(out: MLACache, before: MLASlots) -> MLACache:
-    """The graph's output cache (views of the storage it wrote into) tied to that storage, now that much longer."""
-    before.storage.length = out.length
-    object.__setattr__(out, "_storage", before.storage)
-    return out
 
 
 def _optional(t: Tensor | None) -> Tensor | None:

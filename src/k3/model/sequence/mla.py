@@ -60,6 +60,12 @@ class Storage:
         out.shared_key[:, :L] = cache.shared_key
         return out
 
+    def advance(self, cache: MLACache) -> MLACache:
+        """``cache`` (a view of this storage's first positions, just written) as its longest view: appendable."""
+        self.length = cache.length
+        object.__setattr__(cache, "_storage", self)
+        return cache
+
 
 @dataclass(frozen=True)
 class MLACache:
@@ -67,11 +73,11 @@ class MLACache:
 
     ``latent`` ``[B, L, kv_lora_rank]`` is the RMS-normalised ``c_kv``; ``shared_key``
     ``[B, L, qk_shared_head_dim]`` is the unrotated shared key ``k_s``. Values are immutable: `append` returns a new
-    cache, and a cache's entries never change. With grad mode off (``torch.no_grad``, inference mode: decoding)
-    the entries live in a `Storage` with room to grow,
-    and `append` writes the new entries in place past them — only when no cache viewing that storage is longer (the
-    storage's ``length`` equals this cache's), so that no cache sees a position change; otherwise (a second
-    continuation of one state, a cache built from plain tensors) the entries move to new storage first.
+    cache, and a cache's entries never change. With grad mode off (``torch.no_grad``, inference mode: decoding) the
+    entries live in a `Storage` with room to grow, and `append` writes the new entries in place past them — only
+    when no cache viewing that storage is longer (the storage's ``length`` equals this cache's), so that no cache
+    sees a position change; otherwise (a second continuation of one state, a cache built from plain tensors) the
+    entries move to new storage first.
     """
 
     latent: Tensor
@@ -139,10 +145,7 @@ class MLASlots:
         self.latent_storage[:, self.length:end].copy_(latent)
         self.key_storage[:, self.length:end].copy_(shared_key)
         out = MLACache(self.latent_storage[:, :end], self.key_storage[:, :end])
-        if self.storage is not None:
-            self.storage.length = end
-            object.__setattr__(out, "_storage", self.storage)
-        return out
+        return out if self.storage is None else self.storage.advance(out)
 
 
 def _known_equal(a: int, b: int) -> bool:
