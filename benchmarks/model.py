@@ -13,7 +13,7 @@ pair's gradients are dropped after its training rows.
 frozen weights and its C++ GEMM templates); the first call's time (the compilation, or a load from inductor's disk
 cache) is reported beside them, and an operator profile of `small`'s compiled step says where its time goes.
 
-Every k3 decode figure comes with its roofline (`k3.model.roofline`): the bytes the step must read (weights, the
+Every k3 decode figure comes with its roofline (`k3.sizing.roofline`): the bytes the step must read (weights, the
 selected experts' weights, KDA states, MLA caches) over the measured copy bandwidth, and its FLOPs over the measured
 matmul rate; "% of roof" is that limit's step time over the measured step time.
 
@@ -39,7 +39,7 @@ from harness import copy_gbps, machine, matmul_gflops, median_seconds, table, wr
 
 from k3 import K3ForCausalLM  # noqa: E402
 from k3.config import preset  # noqa: E402
-from k3.model.roofline import decode_cost  # noqa: E402
+from k3.sizing.roofline import decode_cost  # noqa: E402
 from k3.model.state import DecoderState  # noqa: E402
 
 

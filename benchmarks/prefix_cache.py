@@ -29,8 +29,8 @@ from harness import machine, table, write_results  # noqa: E402
 
 from k3 import K3ForCausalLM  # noqa: E402
 from k3.config import preset  # noqa: E402
-from k3.serve import chat  # noqa: E402
-from k3.serve.cache import PrefixCache  # noqa: E402
+from k3.chat import native as chat  # noqa: E402
+from k3.serve.engine.cache import PrefixCache  # noqa: E402
 from k3.serve.engine import Engine, SamplingParams  # noqa: E402
 from k3.tokenization.bpe import Tokenizer  # noqa: E402
 

@@ -80,7 +80,7 @@ def main() -> None:
                        ("peak_load_mib", "peak RSS at load MiB"), ("rss_after_forward_mib", "RSS after forward MiB"),
                        ("peak_mib", "peak RSS MiB")]))
     from k3.config import preset
-    from k3.plan import format_plan, plan
+    from k3.sizing.serving import format_plan, plan
 
     full = plan(preset("paper"), context=131072)
     print()

@@ -21,7 +21,7 @@ with ``logprobs=0`` so that every generated token arrives as its own chunk).
 Every throughput row is the median of three timed runs (all three rates are in the JSON); a ``--compile``
 server's rows also count the graphs it compiled while timed (``GET /metrics``), so a stall for a new shape key shows.
 Each throughput row has its roofline: output tokens/s no implementation could beat here — the prompts' FLOPs at the
-measured matmul rate plus every decode step's bytes or FLOPs (`k3.model.roofline`) — and the fraction reached.
+measured matmul rate plus every decode step's bytes or FLOPs (`k3.sizing.roofline`) — and the fraction reached.
 3. A long prompt arriving while 8 clients stream: the ITL of those clients while it is prefilled, for
    several ``--prefill-chunk`` sizes, against the same clients with no long prompt.
 
@@ -52,7 +52,7 @@ from model import kimi_linear_pair  # noqa: E402
 from k3 import K3ForCausalLM  # noqa: E402
 from k3.config import K3Config, preset  # noqa: E402
 from k3.model.checkpoint import load_model, save_model  # noqa: E402
-from k3.model.roofline import decode_cost  # noqa: E402
+from k3.sizing.roofline import decode_cost  # noqa: E402
 from k3.train.data import stdlib_documents  # noqa: E402
 from k3.tokenization.bpe import Tokenizer  # noqa: E402
 
@@ -217,7 +217,7 @@ def roofline(config: K3Config, prompts: list[list[int]], max_tokens: int, bandwi
              flops_rate: float) -> float:
     """Output tokens/s no implementation can beat on this machine for the run: every prompt token's FLOPs at the
     matmul rate, then ``max_tokens`` decode steps of all rows, each bound by its bytes or its FLOPs
-    (`k3.model.roofline`)."""
+    (`k3.sizing.roofline`)."""
     prefill = decode_cost(config, sum(map(len, prompts)), 0).flops / flops_rate
     context = max(map(len, prompts))
     decode = sum(decode_cost(config, len(prompts), context + t).seconds(bandwidth, flops_rate)

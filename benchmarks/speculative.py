@@ -28,7 +28,7 @@ from harness import machine, table, write_results  # noqa: E402
 
 from k3.model.checkpoint import load_model  # noqa: E402
 from k3.model.draft import EagleDraft  # noqa: E402
-from k3.serve.drafting import EagleDrafter  # noqa: E402
+from k3.serve.engine.drafting import EagleDrafter  # noqa: E402
 from k3.serve.engine import Engine, SamplingParams  # noqa: E402
 
 

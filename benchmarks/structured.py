@@ -1,8 +1,8 @@
 """Structured output: what a grammar engine adds to each decoded token, and how long a schema takes to compile.
 
-For each candidate engine — xgrammar, llguidance, outlines-core — and for the engine behind `k3.serve.structured` as
-the server calls it (``mask_`` on a logits row, then ``accept``): schemas ``json_object`` (any object), ``flat`` (four
-scalars), ``nested`` (objects, arrays, an enum) and ``tool`` (function arguments) are compiled cold (the fastest of up
+For each candidate engine — xgrammar, llguidance, outlines-core — and for the engine behind
+`k3.serve.engine.structured` as the server calls it (``mask_`` on a logits row, then ``accept``): schemas
+``json_object`` (any object), ``flat`` (four scalars), ``nested`` (objects, arrays, an enum) and ``tool`` (function arguments) are compiled cold (the fastest of up
 to 3 compiles, each missing any cache) and driven by seeded random logits (``torch.randn``, argmax of the allowed
 tokens) until the value is complete or ``MAX_TOKENS`` tokens, request after request (seeds 0, 1, ...) until the case
 has 2,000 tokens (300 with ``--quick``). Per token we time the engine's work only — mask computation + accept (for k3:
@@ -14,7 +14,7 @@ Tokenizers: ``bpe-4k``, our byte-level BPE trained to the ``small`` vocabulary (
 library; ``kimi-4k``, a `KimiTokenizer` with the same bytes as its first 3,840 ranks plus its 256 reserved special ids;
 and (not with ``--quick``) ``bpe-56k``, a BPE trained on the whole standard library (it runs out of merges at about 56k
 ids), to show how each engine scales towards Kimi's 163,840-id vocabulary. Whitespace is bounded alike for all engines
-(at most `k3.serve.structured.MAX_WHITESPACE` characters between tokens).
+(at most `k3.serve.engine.structured.MAX_WHITESPACE` characters between tokens).
 
 Needs the ``bench`` extra (``pip install -e '.[test,bench]'``) for xgrammar and outlines-core.
 
@@ -43,7 +43,7 @@ from kimi_fixtures import kimi_config  # noqa: E402
 
 from k3 import K3ForCausalLM  # noqa: E402
 from k3.config import preset  # noqa: E402
-from k3.serve import structured  # noqa: E402
+from k3.serve.engine import structured  # noqa: E402
 from k3.tokenization.bpe import NUM_SPECIAL_TOKENS, Tokenizer  # noqa: E402
 from k3.tokenization.kimi import NUM_RESERVED, KimiTokenizer  # noqa: E402
 from k3.train.data import stdlib_documents  # noqa: E402
@@ -103,7 +103,8 @@ class XGrammar:
 
 
 class LLGuidance:
-    """llguidance with `k3.serve.structured`'s options: lazy masks (Earley parser, derivative lexer, token trie)."""
+    """llguidance with `k3.serve.engine.structured`'s options: lazy masks (Earley parser, derivative lexer, token
+    trie)."""
 
     def __init__(self, tok: Any) -> None:
         import llguidance
@@ -177,7 +178,7 @@ def drive_raw(new: Callable[[], Matcher], tok: Any, seed: int) -> list[int]:
 
 
 def drive_k3(factory: Callable[[], structured.Constraint], tok: Any, seed: int) -> list[int]:
-    """One request through `k3.serve.structured` as the engine calls it; the ns of mask_ + accept per token."""
+    """One request through `k3.serve.engine.structured` as the engine calls it; the ns of mask_ + accept per token."""
     gen, n = torch.Generator().manual_seed(seed), len(tok)
     c = factory()
     times = []

@@ -5,7 +5,7 @@
    (4 blocks × width 128, patch budget 1,024 — so 896² is downscaled to fit 1,024 patches; the table shows the grid
    actually used) and the published ``paper`` one (27 blocks × width 1,024, 12 heads × 128, MLP 4,096, projector
    to 7,168; ~447M parameters; patch budget 65,536, so nothing here is downscaled), in fp32 and bf16. Per image:
-   patches, visual tokens after the 2×2 merge, preprocessing ms (`k3.model.image.image_input` on the JPEG bytes:
+   patches, visual tokens after the 2×2 merge, preprocessing ms (`k3.tokenization.image.image_input` on the JPEG bytes:
    decode + resize + patch), encoder ms (`VisionModel(pixel_values, grid_thw)`, merge and projector included) and
    images/s, and the achieved GFLOP/s against the machine's measured matmul rate of the same dtype
    (`harness.matmul_gflops`). FLOPs are counted analytically: per patch 2·(3·14·14·D) for the patch embedding,
@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import machine, matmul_gflops, median_seconds, table, write_results  # noqa: E402
 
 from k3.config import VisionConfig, preset  # noqa: E402
-from k3.model.image import batch, image_input  # noqa: E402
+from k3.tokenization.image import batch, image_input  # noqa: E402
 from k3.model.lm import K3ForCausalLM  # noqa: E402
 from k3.model.vision import VisionModel  # noqa: E402
 

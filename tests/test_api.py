@@ -13,8 +13,8 @@ import openai
 import pytest
 
 import serving
-from k3.serve import chat
-from k3.serve.api import BackgroundServer, create_app
+from k3.chat import native as chat
+from k3.serve.api.app import BackgroundServer, create_app
 from k3.serve.engine import Engine
 
 MODEL = "k3-tiny"

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import serving
-from k3.serve import chat
-from k3.serve.api import BackgroundServer, create_app
+from k3.chat import native as chat
+from k3.serve.api.app import BackgroundServer, create_app
 from k3.serve.engine import Engine
 from test_api import HELLO, MODEL, TOOLS, raw
 

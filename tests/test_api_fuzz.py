@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, settings
 from schemathesis import GenerationMode
 
 import serving
-from k3.serve.api import BackgroundServer, Limits, create_app
+from k3.serve.api.app import BackgroundServer, Limits, create_app
 from k3.serve.engine import Engine
 
 EXAMPLES = 40  # per operation and generation mode: bounded in time (about a minute on 2 cores)

@@ -15,7 +15,7 @@ import openai
 import pytest
 
 import serving
-from k3.serve.api import BackgroundServer, Limits, create_app
+from k3.serve.api.app import BackgroundServer, Limits, create_app
 from k3.serve.engine import Engine
 
 MODEL = "k3-tiny"

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from k3.serve.chat import (
+from k3.chat.native import (
     MODES,
     AssistantParser,
     format_tool_calls,

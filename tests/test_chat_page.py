@@ -15,9 +15,9 @@ import pytest
 import serving
 from k3 import K3ForCausalLM
 from k3.config import preset
-from k3.serve.api import BackgroundServer, Limits, create_app
+from k3.serve.api.app import BackgroundServer, Limits, create_app
 from k3.serve.engine import Engine
-from k3.serve.formats import chat_format
+from k3.chat import chat_format
 
 MODEL = "k3-tiny"
 KEY = "page-key"

@@ -144,7 +144,7 @@ def test_engine_compiled_gives_eager_tokens_in_mixed_steps_with_a_graph_per_buck
     buckets 1, 2, 4 and 8, prefill chunks cut into 16-, 4- and 1-token pieces. Every request's greedy tokens equal
     the eager engine's, and no shape key is ever compiled twice."""
     from k3.serve.engine import Engine, SamplingParams
-    from k3.serve.metrics import Metrics
+    from k3.serve.api.metrics import Metrics
 
     model = serving.model()
     prompts = [p for p in serving.prompts() if len(p) > 1][:6]  # 5, 17, 33, 64, 120, 9 tokens

@@ -9,17 +9,10 @@ from fractions import Fraction
 import pytest
 from torch.overrides import TorchFunctionMode
 
-from k3.audit import audit
-from k3.hf_config import from_hf_dict
-from k3.config import (
-    PRESETS,
-    PUBLISHED_ACTIVE,
-    PUBLISHED_TOTAL,
-    PUBLISHED_VISION,
-    K3Config,
-    count_parameters,
-    preset,
-)
+from k3.sizing.audit import audit
+from k3.config.hf import from_hf_dict
+from k3.config import PRESETS, PUBLISHED_ACTIVE, PUBLISHED_TOTAL, PUBLISHED_VISION, K3Config, load_config, preset
+from k3.sizing.params import count_parameters
 from peers import transformers_kimi_linear
 
 
@@ -185,6 +178,15 @@ def test_corrupt_file_is_an_error_naming_the_file(tmp_path):
         K3Config.load(path)
 
 
+def test_a_hugging_face_config_is_read_by_load_config_not_k3config_load(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "kimi_linear"}))
+    with pytest.raises(ValueError, match="config.json: a Hugging Face config.json .*k3.config.load_config"):
+        K3Config.load(path)
+    preset("tiny").save(path)
+    assert load_config(path) == preset("tiny")  # our own files too
+
+
 def test_reads_a_kimi_linear_hugging_face_config(tmp_path):
     hf = {
         "model_type": "kimi_linear", "vocab_size": 163840, "hidden_size": 2304, "num_hidden_layers": 27,
@@ -199,7 +201,7 @@ def test_reads_a_kimi_linear_hugging_face_config(tmp_path):
     }
     path = tmp_path / "config.json"
     path.write_text(json.dumps(hf))
-    c = K3Config.load(path).validate()
+    c = load_config(path).validate()
     assert [i + 1 for i, k in enumerate(c.layer_kinds()) if k == "mla"] == [4, 8, 12, 16, 20, 24, 27]
     assert (c.kda.gate, c.kda.output_gate_rank, c.kda.decay_rank) == ("softplus", 128, 128)
     assert (c.mla.q_lora_rank, c.mla.output_gate, c.attn_res.enabled) == (None, False, False)

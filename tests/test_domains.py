@@ -14,7 +14,7 @@ from k3.rl.chats import chat_records, plain_texts, read_chats, write_chats
 from k3.rl.domains import (DOMAINS, EFFORTS, Task, assistant_message, generate, reasoning, system_prompt,
                            verify)
 from k3.rl.sandbox import Sandbox
-from k3.serve.chat import normalize, parse, render
+from k3.chat.native import normalize, parse, render
 from k3.tokenization.bpe import Tokenizer
 
 ADD = Task("math-hand", "math", "add1", "What is 3+4?", {"value": "7"},

@@ -1,4 +1,4 @@
-"""The cache-aware router (`k3.serve.router`) and the fleet (`k3 route`, `k3 serve --replicas`): the ring and
+"""The cache-aware router (`k3.serve.fleet.router`) and the fleet (`k3 route`, `k3 serve --replicas`): the ring and
 routing keys as units, then real `k3 serve` replicas and routers on loopback."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 
 import serving
 from k3.model.checkpoint import save_model
-from k3.serve.router import PROMPT_CHARS, PROMPT_IDS, HashRing, routing_key
+from k3.serve.fleet.router import PROMPT_CHARS, PROMPT_IDS, HashRing, routing_key
 
 KEY, LONG_THRESHOLD = "k", 200  # the replicas' API key; bodies over 200 bytes are "long" (budget 1)
 

@@ -10,7 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from k3.config import kda_layer_parameters, preset
+from k3.sizing.params import kda_layer_parameters
+from k3.config import preset
 from k3.model.sequence.kda import KDALayer, ShortConv
 
 

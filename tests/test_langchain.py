@@ -11,8 +11,8 @@ import pytest
 from pydantic import BaseModel
 
 import serving
-from k3.serve import chat
-from k3.serve.api import BackgroundServer, create_app
+from k3.chat import native as chat
+from k3.serve.api.app import BackgroundServer, create_app
 from k3.serve.engine import Engine
 
 langchain_openai = pytest.importorskip("langchain_openai")

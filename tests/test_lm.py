@@ -13,8 +13,9 @@ from hypothesis import strategies as st
 from torch.overrides import TorchFunctionMode
 
 from k3 import K3ForCausalLM
-from k3.config import PUBLISHED_TOTAL, AttnResConfig, K3Config, parameter_breakdown, preset
-from k3.model import memory
+from k3.config import PUBLISHED_TOTAL, AttnResConfig, K3Config, preset
+from k3.sizing.params import parameter_breakdown
+from k3.sizing import memory
 from k3.model.state import DecoderState
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import serving
-from k3.serve.api import BackgroundServer, create_app
+from k3.serve.api.app import BackgroundServer, create_app
 from k3.serve.engine import Engine
 
 DOCS = [{"question": "def load(path):", "choices": [" return", " pass", " x"], "answer": 0},

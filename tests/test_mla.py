@@ -13,7 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from k3.config import mla_layer_parameters, preset
+from k3.sizing.params import mla_layer_parameters
+from k3.config import preset
 from k3.model.sequence import mla
 from k3.model.sequence.mla import GatedMLA, MLACache
 from peers import transformers_kimi_linear

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from k3.config import MEDIA_TOKEN_ID, preset
-from k3.model.image import batch, decode_image, fitted_size, image_input, video_inputs
+from k3.tokenization.image import batch, decode_image, fitted_size, image_input, video_inputs
 from k3.model.lm import K3ForCausalLM
 from k3.tokenization.bpe import SPECIAL_TOKENS
 

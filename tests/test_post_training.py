@@ -27,7 +27,7 @@ from k3.rl.grpo import RLConfig, RLRun, run_rl
 from k3.rl.onpolicy import run_stage, training_batch
 from k3.rl.rollout import ENVIRONMENT, Trajectory
 from k3.rl.sft import SFTConfig, run_sft
-from k3.serve.chat import format_tool_calls, render
+from k3.chat.native import format_tool_calls, render
 from k3.tokenization.bpe import Tokenizer
 from k3.train import checkpoint as train_ckpt
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import serving
 from k3.model.sequence.kda import KDAState
-from k3.serve.cache import PrefixCache
+from k3.serve.engine.cache import PrefixCache
 from k3.serve.engine import Engine, SamplingParams
 
 BLOCK = 16

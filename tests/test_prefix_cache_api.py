@@ -11,8 +11,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import serving
-from k3.serve.api import BackgroundServer, create_app
-from k3.serve.cache import PrefixCache
+from k3.serve.api.app import BackgroundServer, create_app
+from k3.serve.engine.cache import PrefixCache
 from k3.serve.engine import Engine
 
 MODEL = "k3-tiny"

@@ -12,8 +12,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from k3.cli import main
-from k3.config import MXConfig, SiTUConfig, parameter_breakdown, preset
-from k3.hf_config import from_release_dict, mx_from_quantization, quantization_config
+from k3.config import MXConfig, SiTUConfig, preset
+from k3.sizing.params import parameter_breakdown
+from k3.config.hf import from_release_dict, mx_from_quantization, quantization_config
 from k3.model.checkpoint import WEIGHTS, load_model
 from k3.model.width import Experts
 from k3.ops import mx

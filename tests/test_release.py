@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 
 from k3.config import preset
-from k3.hf_config import from_release_dict
+from k3.config.hf import from_release_dict
 from k3.model.lm import K3ForCausalLM
 from k3.model.packed import PackedExperts
 from k3.ops import mx as mxfp4

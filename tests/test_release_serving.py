@@ -15,7 +15,7 @@ import torch
 
 from k3.cli import main
 from k3.model.lm import K3ForCausalLM
-from k3.serve import xtml
+from k3.chat import xtml
 from kimi_fixtures import build_kimi_tokenizer_files
 from release_fixture import write_release
 from test_serve_cli import free_port
@@ -103,8 +103,8 @@ def test_an_image_in_the_release_format(release_dir):
 
     from PIL import Image
 
-    from k3.model.image import batch, image_input
-    from k3.serve.api import BackgroundServer, create_app
+    from k3.tokenization.image import batch, image_input
+    from k3.serve.api.app import BackgroundServer, create_app
     from k3.serve.engine import Engine
     from k3.tokenization.kimi import KimiTokenizer
 

@@ -1,4 +1,4 @@
-"""The decode roofline's byte and FLOP counts (`k3.model.roofline`, issue 18) against the real tensors of the model:
+"""The decode roofline's byte and FLOP counts (`k3.sizing.roofline`, issue 18) against the real tensors of the model:
 parameters built on ``meta``, states from `new_state` and a real decode call, and routing by simulation."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from k3 import K3ForCausalLM
 from k3.config import preset
-from k3.model.roofline import decode_cost, experts_touched
+from k3.sizing.roofline import decode_cost, experts_touched
 from k3.model.width import Experts
 
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import serving
 from k3.serve.engine import Engine, SamplingParams
-from k3.serve.sampling import process
+from k3.serve.engine.sampling import process
 
 PROMPTS = [p for p in serving.prompts() if len(p) >= 5][:4]
 

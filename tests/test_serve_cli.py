@@ -169,7 +169,7 @@ class NoTraining(importlib.abc.MetaPathFinder):
 
 sys.meta_path.insert(0, NoTraining())
 from k3.cli import _load
-from k3.serve.api import BackgroundServer, create_app
+from k3.serve.api.app import BackgroundServer, create_app
 from k3.serve.engine import Engine
 
 model, tokenizer = _load(sys.argv[1])

@@ -1,4 +1,4 @@
-"""Speculative decoding's lossless acceptance rule (SPEC §8, `k3.serve.speculative`): exact by enumeration,
+"""Speculative decoding's lossless acceptance rule (SPEC §8, `k3.serve.engine.speculative`): exact by enumeration,
 `verify` by Monte-Carlo, `probabilities` against `choose`, and the greedy reduction."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from k3.serve.sampling import SamplingParams, choose
-from k3.serve.speculative import probabilities, verify, verify_greedy
+from k3.serve.engine.sampling import SamplingParams, choose
+from k3.serve.engine.speculative import probabilities, verify, verify_greedy
 
 
 def _wilson_hilferty_sf(stat: float, dof: int) -> float:

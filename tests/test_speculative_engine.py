@@ -11,10 +11,10 @@ import torch
 import serving
 from k3.model.sequence.kda import KDAState
 from k3.model.draft import DraftConfig, EagleDraft
-from k3.serve.drafting import EagleDrafter, ModelDrafter
+from k3.serve.engine.drafting import EagleDrafter, ModelDrafter
 from k3.serve.engine import Engine, SamplingParams
-from k3.serve.sampling import process
-from k3.serve.speculative import probabilities
+from k3.serve.engine.sampling import process
+from k3.serve.engine.speculative import probabilities
 
 PROMPTS = serving.prompts()[:4]
 

@@ -1,4 +1,4 @@
-"""Structured output (`k3.serve.structured`): random logits driven through JSON-schema constraints always yield a
+"""Structured output (`k3.serve.engine.structured`): random logits driven through JSON-schema constraints always yield a
 valid, complete value within a bounded number of tokens, for both tokenizers; plus errors, caching and threads."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 from kimi_fixtures import TEXTS, build_kimi_tokenizer_files
 from serving import tokenizer as bpe_tokenizer
 
-from k3.serve import structured
-from k3.serve.structured import MAX_WHITESPACE, json_constraint
+from k3.serve.engine import structured
+from k3.serve.engine.structured import MAX_WHITESPACE, json_constraint
 
 MAX_STEPS = 10_000  # a random walk's strings and arrays end geometrically: 800 drawn cases took at most 2,565
 EXTRA = 7  # model vocabulary beyond the tokenizer's

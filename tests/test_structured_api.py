@@ -10,7 +10,7 @@ import openai
 import pytest
 
 import serving
-from k3.serve.api import BackgroundServer, create_app
+from k3.serve.api.app import BackgroundServer, create_app
 from k3.serve.engine import Engine
 from test_api import MODEL, raw
 

@@ -14,12 +14,12 @@ import torch
 from PIL import Image
 
 import serving
-from k3.model.image import batch, image_input
-from k3.serve import chat
-from k3.serve.api import BackgroundServer, create_app
-from k3.serve.cache import PrefixCache
+from k3.tokenization.image import batch, image_input
+from k3.chat import native as chat
+from k3.serve.api.app import BackgroundServer, create_app
+from k3.serve.engine.cache import PrefixCache
 from k3.serve.engine import Engine
-from k3.serve.guard import Limits
+from k3.serve.asgi.guard import Limits
 from test_api import MODEL
 
 

@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from k3.config import K3Config, SiTUConfig, moe_layer_parameters, preset
+from k3.config import K3Config, SiTUConfig, preset
+from k3.sizing.params import moe_layer_parameters
 from k3.model.width import GLU, Experts, LatentMoE, Router, build_ffn, situ, soft_cap, top_k_first, top_k_sorted
 from peers import transformers_kimi_linear
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from k3.serve.xtml import MODES, AssistantParser, parse_tool_calls, render, render_text, stop_ids
+from k3.chat.xtml import MODES, AssistantParser, parse_tool_calls, render, render_text, stop_ids
 from k3.tokenization.kimi import KimiTokenizer
 from kimi_fixtures import TEXTS, build_kimi_tokenizer_files
 

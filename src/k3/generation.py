@@ -22,7 +22,7 @@ def sampling_logits(logits: Tensor, temperature: float, top_p: float = 1.0, top_
                     min_p: float = 0.0) -> Tensor:
     """The fp64 logits ``[B, V]`` whose softmax a sample at ``temperature > 0`` is drawn from: scaled relative to
     each row's maximum, then ``min_p``, ``top_k`` and ``top_p`` set to -inf. Shared by `sample_next` and the
-    speculative decoder's `k3.serve.speculative.probabilities` (SPEC §8), so the two cannot disagree."""
+    speculative decoder's `k3.serve.engine.speculative.probabilities` (SPEC §8), so the two cannot disagree."""
     _check(temperature, top_p, top_k, min_p)
     if temperature == 0:
         raise ValueError("sampling_logits: temperature 0 is greedy (the argmax), not a distribution")

@@ -24,8 +24,14 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from k3.config import K3Config, kda_layer_parameters, mla_layer_parameters, moe_layer_parameters, \
-    parameter_breakdown, routed_expert_parameters
+from k3.config import K3Config
+from k3.sizing.params import (
+    kda_layer_parameters,
+    mla_layer_parameters,
+    moe_layer_parameters,
+    parameter_breakdown,
+    routed_expert_parameters,
+)
 from k3.dist.layout import MESH_DIMS, ParallelLayout
 
 FP32 = 4

@@ -45,7 +45,7 @@ from safetensors.torch import load_file
 from torch import Tensor
 
 from k3.config import K3Config
-from k3.hf_config import from_hf_dict
+from k3.config.hf import from_hf_dict
 from k3.model.lm import K3ForCausalLM
 
 _KDA = {"q_proj", "k_proj", "v_proj", "b_proj", "o_proj", "f_a_proj", "f_b_proj", "dt_bias", "g_a_proj",

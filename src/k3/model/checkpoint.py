@@ -30,7 +30,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from k3.config import K3Config
-from k3.hf_config import mx_from_quantization, quantization_config
+from k3.config.hf import mx_from_quantization, quantization_config
 from k3.model.lm import K3ForCausalLM
 from k3.model.packed import PackedExperts, use_packed_experts
 from k3.ops import mx

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from k3.config import K3Config
 from k3.model.depth import BlockAttnRes, Residual
-from k3.model.memory import check_fits
+from k3.sizing.memory import check_fits
 from k3.model.norm import RMSNorm
 from k3.model.pretrained import from_pretrained, save_pretrained
 from k3.model.sequence.kda import KDALayer
@@ -92,7 +92,7 @@ class DecoderLayer(nn.Module):
 class K3ForCausalLM(nn.Module):
     def __init__(self, config: K3Config) -> None:
         """Build on the default device; a model whose parameters would not fit in its free memory is a
-        `ValueError` stating both sizes, raised before anything is allocated (`k3.model.memory`)."""
+        `ValueError` stating both sizes, raised before anything is allocated (`k3.sizing.memory`)."""
         super().__init__()
         self.config = config.validate()
         check_fits(config)

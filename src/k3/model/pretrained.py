@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 from k3.config import K3Config
-from k3.hf_config import from_release_dict, is_release, to_release_dict
+from k3.config.hf import from_release_dict, is_release, to_release_dict
 from k3.model.packed import PROJECTIONS, PackedExperts, use_packed_experts
 from k3.model.safetensors_io import Shards, write_shards
 from k3.model.width import Experts, LatentMoE

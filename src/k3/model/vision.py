@@ -2,7 +2,7 @@
 
 Input is a packed batch of *grids* — an image is a grid ``(1, h, w)`` of 14-px patches, a video chunk ``(t, h, w)``
 with ``t ≤ vision.max_frames`` frames — as ``pixel_values [L, C·p·p]`` (patches row-major over (frame, row, column),
-channel-first inside a patch; `k3.model.image` makes them) and ``grid_thw [N, 3]``. Nothing is padded: attention
+channel-first inside a patch; `k3.tokenization.image` makes them) and ``grid_thw [N, 3]``. Nothing is padded: attention
 runs within each grid only (block-diagonal), so an image's tokens never depend on its batch neighbours.
 
 Per grid: patch embedding (a bias-free linear map of each patch), plus the learnable position table ``[S, S, D]``

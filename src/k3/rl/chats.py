@@ -19,7 +19,7 @@ from typing import Any
 
 from k3.rl.agent import TOOLS, episode_messages
 from k3.rl.domains import DOMAINS, EFFORTS, SPLITS, Task, assistant_message, generate, system_prompt
-from k3.serve.chat import MODES, format_tool_calls, normalize
+from k3.chat.native import MODES, format_tool_calls, normalize
 from k3.tokenization.base import write_atomic
 
 __all__ = ["chat_records", "plain_texts", "read_chats", "record", "write_chats"]

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from k3.rl.sandbox import Limits, Sandbox
-from k3.serve.chat import MODES
+from k3.chat.native import MODES
 
 __all__ = ["ANSWER_KEY", "CODE_TIMEOUT", "DOMAINS", "EFFORTS", "SPLITS", "TEST_EVERY", "Task", "Verdict",
            "assistant_message", "generate", "reasoning", "reference_call", "system_prompt", "verify"]

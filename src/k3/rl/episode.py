@@ -19,7 +19,7 @@ from k3.rl.agent import TOOLS, AgentEnv
 from k3.rl.rewards import budget_reward
 from k3.rl.domains import EFFORTS, Task, assistant_message, system_prompt, verify
 from k3.rl.rollout import ENVIRONMENT, PartialRollouts, Trajectory, run_iteration
-from k3.serve.chat import parse, render, stop_ids
+from k3.chat.native import parse, render, stop_ids
 from k3.serve.engine import Engine, SamplingParams
 from k3.tokenization.bpe import Tokenizer
 

@@ -196,7 +196,7 @@ def run_iteration(engine: Engine, rollouts: PartialRollouts, params: SamplingPar
     already at ``max_tokens`` finishes with "length"). The engine steps until `PartialRollouts.pause_point`
     (``lam = 1``: every trajectory finishes, no partial rollouts); the rest are aborted and stay paused with what
     they generated. Every new token is tagged ``version``. ``params`` holds the sampling settings (the chat format's
-    ``stop_token_ids`` come from `k3.serve.chat.stop_ids`). A request the engine ends with an error raises
+    ``stop_token_ids`` come from `k3.chat.native.stop_ids`). A request the engine ends with an error raises
     RuntimeError. ``observe`` (multi-turn tasks) is asked whenever a segment stops: ids it returns are appended as
     the environment's reply and the trajectory goes on, as a new request, in this iteration; None finishes it.
     """

@@ -2,7 +2,7 @@
 chats.jsonl --out DIR``.
 
 Data: JSONL, one chat a line — ``{"messages": [...], "mode": "thinking"|"instruct", "tools"?: [...]}`` plus any
-extra keys (``domain``, ``effort``, ``task``: kept, unused). Each chat is rendered by `k3.serve.chat.render` and
+extra keys (``domain``, ``effort``, ``task``: kept, unused). Each chat is rendered by `k3.chat.native.render` and
 supervised exactly on what the model produces in each assistant message (`supervised_ids`): everything after the
 generation prompt (``<|assistant|><|think|>`` or ``<|assistant|><|response|>``) up to and including its ``<|end|>``.
 System, user and tool messages and the role tokens only feed context.
@@ -46,7 +46,7 @@ from k3.model.lm import K3ForCausalLM
 from k3.model.packed import PackedExperts
 from k3.rl import stage
 from k3.rl.policy import pad_sequences
-from k3.serve.chat import MODES, render
+from k3.chat.native import MODES, render
 from k3.tokenization.bpe import Tokenizer
 from k3.train import checkpoint as train_ckpt
 from k3.train.data import masked_loss_sum

@@ -195,9 +195,9 @@ class Tokenizer(Vocabulary):
     def token_bytes(self) -> list[bytes]:
         """The bytes each id stands for, indexed by id; special ids give ``b""`` (they are protocol markers, not
         text, so a grammar engine that builds text from these bytes can never produce them inside a value)."""
-        from k3.tokenization.kimi import _byte_symbols
+        from k3.tokenization.kimi import byte_symbols
 
-        byte_of = {symbol: b for b, symbol in enumerate(_byte_symbols())}
+        byte_of = {symbol: b for b, symbol in enumerate(byte_symbols())}
         out = [b""] * self._size
         for token, i in self.get_vocab().items():
             if i >= NUM_SPECIAL_TOKENS:

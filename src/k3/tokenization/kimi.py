@@ -51,14 +51,14 @@ PAT_STR = "|".join([
 _RUN = re.compile(r"\s+|\S+")
 
 
-def _byte_symbols() -> list[str]:
+def byte_symbols() -> list[str]:
     """The GPT-2 byte-level alphabet: byte ``b`` -> a printable character (how vocabularies show bytes)."""
     printable = {*range(33, 127), *range(161, 173), *range(174, 256)}
     spare = iter(range(256, 512))
     return [chr(b) if b in printable else chr(next(spare)) for b in range(256)]
 
 
-_SYMBOLS = _byte_symbols()
+_SYMBOLS = byte_symbols()
 
 
 def _token_name(value: Any) -> str | None:

@@ -32,7 +32,7 @@ from k3.dist.muon import clip_grad_norm
 from k3.dist.layout import ParallelLayout
 from k3.dist.mesh import World
 from k3.train import sharded
-from k3.train.loop import Run, TrainConfig, _train_steps, train
+from k3.train.loop import Run, TrainConfig, train_steps, train
 
 
 def check_layout(config: TrainConfig, layout: ParallelLayout) -> ParallelLayout:
@@ -135,7 +135,7 @@ def train_distributed(config: TrainConfig, world: World, resume: bool = False,
     run.prepare(resume)
     threads = torch.get_num_threads()
     try:
-        _train_steps(run, run.config)
+        train_steps(run, run.config)
     finally:
         torch.set_num_threads(threads)
     return run

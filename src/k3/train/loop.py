@@ -24,7 +24,7 @@ from torch import Tensor
 
 from k3.config import K3Config, MXConfig, preset
 from k3.model.lm import K3ForCausalLM
-from k3.model.memory import check_fits
+from k3.sizing.memory import check_fits
 from k3.model.sequence.mla import GatedMLA
 from k3.train import checkpoint as ckpt
 from k3.train import multimodal, sharded
@@ -466,13 +466,13 @@ def train(config: TrainConfig, resume: bool = False) -> Run:
     run.prepare(resume)
     threads = torch.get_num_threads()
     try:
-        _train_steps(run, config)
+        train_steps(run, config)
     finally:
         torch.set_num_threads(threads)
     return run
 
 
-def _train_steps(run: Run, config: TrainConfig) -> None:
+def train_steps(run: Run, config: TrainConfig) -> None:
     share = CoreShare() if config.threads is None else None
     if config.threads is not None:
         torch.set_num_threads(config.threads)

@@ -23,7 +23,7 @@ import torch
 from PIL import Image, ImageDraw, ImageFont
 from torch import Tensor
 
-from k3.model.image import VisualInput, batch, image_input, video_inputs
+from k3.tokenization.image import VisualInput, batch, image_input, video_inputs
 from k3.tokenization.bpe import Tokenizer
 
 COLOURS = {"red": (220, 40, 40), "green": (40, 160, 60), "blue": (40, 80, 220), "yellow": (225, 200, 30),

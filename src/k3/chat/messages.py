@@ -1,0 +1,106 @@
+"""OpenAI chat messages, checked (the parts both chat formats share, `k3.chat.native` and `k3.chat.xtml`): roles,
+content strings and content-part lists (text, and images through a `Media` callback), tool calls and tool
+definitions, compact JSON. Every problem is a ValueError naming the field (``messages[2].content[0].text``)."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from typing import Any
+
+from k3.tokenization.image import VisualInput
+
+MODES = ("thinking", "instruct")
+ROLES = ("system", "developer", "user", "assistant", "tool")
+#: Lone surrogates: text that no UTF-8 tokenizer can encode.
+SURROGATE = re.compile(r"[\ud800-\udfff]")
+
+
+def dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def loads(text: Any) -> Any:
+    """The JSON value of ``text``, or ``None`` if it is not a string holding JSON."""
+    try:
+        return json.loads(text) if isinstance(text, str) else None
+    except ValueError:
+        return None
+
+
+def check_mode(mode: str) -> None:
+    if mode not in MODES:
+        raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
+
+
+#: Turns an ``image_url`` content part (and where it is) into the image's model input (`VisualInput.tokens` slots).
+Media = Callable[[dict, str], VisualInput]
+
+
+def content_text(content: Any, where: str) -> str:
+    """A string, or the concatenated text of an OpenAI content-part list."""
+    return "".join(content_pieces(content, where, None))
+
+
+def content_pieces(content: Any, where: str, media: Media | None) -> list[str | VisualInput]:
+    """A string, or an OpenAI content-part list as text pieces and, where ``media`` is given, the images of its
+    ``image_url`` parts (refused without it)."""
+    if isinstance(content, str):
+        return [content]
+    if not isinstance(content, list):
+        got = "nothing" if content is None else type(content).__name__
+        raise ValueError(f"{where}: expected a string or a list of content parts, got {got}")
+    pieces: list[str | VisualInput] = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "image_url" and media is not None:
+            pieces.append(media(part, f"{where}[{j}]"))
+            continue
+        if kind != "text":
+            if isinstance(kind, str):
+                raise ValueError(f"{where}[{j}]: content part type {kind!r} is not supported by this server"
+                                 + (" for this model" if kind == "image_url" else ""))
+            raise ValueError(f"{where}[{j}]: expected a content part object with a 'type'")
+        if not isinstance(part.get("text"), str):
+            raise ValueError(f"{where}[{j}].text: expected a string")
+        pieces.append(part["text"])
+    return pieces
+
+
+def checked_calls(calls: Any, where: str, id_required: bool = True) -> list[tuple[int, dict, dict]]:
+    """``(j, call, function)`` of each OpenAI tool call, its shape checked (``ValueError`` naming the field)."""
+    if not isinstance(calls, list):
+        raise ValueError(f"{where}: expected a list of tool calls")
+    out = []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        cid = call.get("id") if isinstance(call, dict) else None
+        if (not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or call.get("type", "function") !=
+                "function" or not (isinstance(cid, str) or (cid is None and not id_required))):
+            raise ValueError(f"{where}[{j}]: expected {{'id': str, 'type': 'function', 'function': {{'name': str}}}}")
+        out.append((j, call, fn))
+    return out
+
+
+def message_role(i: int, m: Any) -> tuple[str, str]:
+    """``(where, role)`` of message ``i``: an object with a known role, else ``ValueError`` naming the field."""
+    where = f"messages[{i}]"
+    if not isinstance(m, dict):
+        raise ValueError(f"{where}: expected an object, got {type(m).__name__}")
+    role = m.get("role")
+    if role not in ROLES:
+        raise ValueError(f"{where}.role: unknown role {role!r}; expected one of {', '.join(ROLES)}")
+    return where, role
+
+
+def functions(tools: Any) -> list[dict]:
+    if not isinstance(tools, list):
+        raise ValueError(f"tools: expected a list, got {type(tools).__name__}")
+    fns = []
+    for j, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(fn, dict) or tool.get("type") != "function" or not isinstance(fn.get("name"), str):
+            raise ValueError(f"tools[{j}]: expected {{'type': 'function', 'function': {{'name': str, ...}}}}")
+        fns.append(fn)
+    return fns

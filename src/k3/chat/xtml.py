@@ -1,0 +1,395 @@
+"""The Kimi K3 release chat format ("XTML"): OpenAI-style messages -> token ids, and a streaming output parser.
+
+The serving interface of :mod:`k3.chat.native` (``MODES``, ``render``, ``AssistantParser``, ...) for tokenizers with
+``chat_format == "xtml"``. Markers are the special tokens ``<|open|>``, ``<|sep|>``, ``<|close|>``, ``<|end_of_msg|>``:
+a tag opens as ``<|open|>NAME key="value"<|sep|>`` (values escape ``&`` then ``"``) and closes as
+``<|close|>NAME<|sep|>``. Markers are inserted as ids; each run of text between them is encoded on its own with
+``tokenizer.encode`` (so a literal ``"<|open|>"`` in content stays text).
+
+* user / system: ``<|open|>message role="user"[ name="..."]<|sep|>{content}<|close|>message<|sep|><|end_of_msg|>``;
+  with tools, a first system message ``role="system" type="tool-declare"`` lists them as sorted compact JSON;
+  in thinking mode a system message ``type="thinking-effort"`` follows (effort ``max`` by default);
+* assistant: ``message role="assistant"`` holding ``think`` (thinking mode, always), ``response`` and, with tool
+  calls, ``tools`` of ``call tool="NAME" index="k"`` blocks of typed ``argument key="K" type="T"`` blocks;
+* tool result: ``message role="tool" tool="NAME" index="n"`` (results put in call order when every id resolves);
+* generation prompt: ``<|open|>message role="assistant"<|sep|>`` + ``<|open|>think<|sep|>`` (thinking) or
+  ``<|open|>response<|sep|>`` (instruct).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from k3.chat.messages import (
+    MODES,
+    SURROGATE,
+    Media,
+    check_mode,
+    checked_calls,
+    content_pieces,
+    dumps,
+    functions,
+    loads,
+    message_role,
+)
+from k3.tokenization.detok import IncrementalDetokenizer
+from k3.tokenization.image import VisualInput
+
+__all__ = ["MODES", "AssistantParser", "parse_tool_calls", "render", "render_text", "stop_ids"]
+
+#: This format lays out images (``render(..., media=...)``): ``<|media_begin|>image WxH<|media_content|>``, one
+#: ``<|media_pad|>`` per visual token, ``<|media_end|>`` (the release's processor; W×H the original size).
+IMAGES = True
+
+
+class _Marker(str):
+    """The bare name of a marker special token (``"open"`` -> ``<|open|>``), as opposed to text."""
+
+
+OPEN, CLOSE, SEP, END = _Marker("open"), _Marker("close"), _Marker("sep"), _Marker("end_of_msg")
+_Parts = list[str]  # text and _Marker items
+_TOOLS_HEAD = "# Tools\nHere are the available tools, described in JSONSchema.\n\n```json\n"
+_JSON_TYPES = ((bool, "boolean"), (type(None), "null"), ((int, float), "number"), (str, "string"), (dict, "object"),
+               (list, "array"))
+_CHANNELS = {"think": "reasoning", "response": "content", "tools": "tools"}
+EFFORTS = ("low", "high", "max")
+_RAW_JSON = ("The system is invoked with `response_format={}`.\nYour response must be raw JSON data without markdown "
+             "code blocks (```json) or any additional formatting.")
+_EFFORT = ("`thinking_effort` guides on how much to think in your thinking channel (not including the response "
+           "channel), supported values include `low`, `medium`, `high`, and `max`.\nNow the system is invoked with "
+           "`thinking_effort={}`.")
+_WRAP = ("<|open|>tools<|sep|>", "<|close|>tools<|sep|>")
+_CALL = re.compile(r"\s*<\|open\|>call((?:(?!<\|sep\|>).)*)<\|sep\|>(.*?)<\|close\|>call<\|sep\|>", re.S)
+_ARG = re.compile(r"\s*<\|open\|>(argument|json)((?:(?!<\|sep\|>).)*)<\|sep\|>(.*?)<\|close\|>\1<\|sep\|>", re.S)
+_ATTR = re.compile(r' (\w+)="([^"]*)"')
+
+
+def stop_ids(tokenizer: Any) -> tuple[int, ...]:
+    """Ids that end an assistant message: ``<|end_of_msg|>`` and eos."""
+    return tokenizer.special_id(END), tokenizer.eos_id
+
+
+# ------------------------------------------------------------------------------------------------
+# validation
+
+
+def _calls(calls: Any, where: str) -> list[dict]:
+    """``[{"id": str | None, "name": str, "arguments": dict | str}]``; a string that is no JSON object stays raw."""
+    out = []
+    for j, call, fn in checked_calls(calls, where, id_required=False):
+        args = fn.get("arguments")
+        if isinstance(args, str):  # as the release: blank → {}, a JSON object → keyed arguments, not JSON → raw
+            parsed = loads(args) if args.strip() else {}
+            if parsed is not None and not isinstance(parsed, dict):
+                raise ValueError(f"{where}[{j}].function.arguments: must be a JSON object, got {args!r:.80}")
+            args = args if parsed is None else parsed
+        elif not isinstance(args, dict):
+            raise ValueError(f"{where}[{j}].function.arguments: expected a JSON string, got {type(args).__name__}")
+        out.append({"id": call.get("id"), "name": fn["name"], "arguments": args})
+    return out
+
+
+def _message(i: int, m: Any, media: Media | None = None) -> dict:
+    where, role = message_role(i, m)
+    content = m.get("content")
+    pieces = [""] if content is None and role == "assistant" else content_pieces(content, f"{where}.content",
+                                                                          media if role == "user" else None)
+    out = {"role": "system" if role == "developer" else role,
+           "content": "".join(p for p in pieces if isinstance(p, str))}
+    if any(isinstance(p, VisualInput) for p in pieces):
+        out["pieces"] = pieces
+    if role == "assistant":
+        reasoning = m.get("reasoning_content")
+        if reasoning is not None and not isinstance(reasoning, str):
+            raise ValueError(f"{where}.reasoning_content: expected a string, got {type(reasoning).__name__}")
+        out["reasoning"] = reasoning or ""
+        out["calls"] = _calls(m.get("tool_calls") or [], f"{where}.tool_calls")
+    elif role == "tool":
+        if not isinstance(cid := m.get("tool_call_id") or "", str):
+            raise ValueError(f"{where}.tool_call_id: expected a string, got {type(cid).__name__}")
+        out["tool_call_id"] = cid
+    elif (name := m.get("name")) is not None:
+        if not isinstance(name, str):
+            raise ValueError(f"{where}.name: expected a string, got {type(name).__name__}")
+        out["name"] = name
+    return out
+
+
+def _resolve_results(msgs: list[dict]) -> None:
+    """Give each tool result its ``tool`` name and 1-based ``index`` among the results after the last assistant."""
+    calls: list[dict] = []
+    group: list[int] = []
+    for i, m in enumerate(msgs):
+        if m["role"] == "tool":
+            group.append(i)
+        elif m["role"] == "assistant":
+            _resolve_group(msgs, group, calls)
+            calls, group = m["calls"], []
+    _resolve_group(msgs, group, calls)
+
+
+def _resolve_group(msgs: list[dict], group: list[int], calls: list[dict]) -> None:
+    """Name the results at ``group`` by call id, else by position; put them in call order when every id resolves."""
+    position: dict[str, int] = {}
+    for k, call in enumerate(calls):
+        if call["id"] is not None:
+            position.setdefault(call["id"], k)
+    results = [msgs[i] for i in group]
+    if all(r["tool_call_id"] in position for r in results):
+        results.sort(key=lambda r: position[r["tool_call_id"]])
+    for n, (i, r) in enumerate(zip(group, results), 1):
+        k = position.get(r["tool_call_id"], n - 1)
+        if k >= len(calls):
+            raise ValueError(f"messages[{i}].tool_call_id: {r['tool_call_id']!r} names no tool call of the preceding "
+                             f"assistant message, which has no call #{n} either")
+        msgs[i] = {**r, "tool": calls[k]["name"], "index": n}
+
+
+# ------------------------------------------------------------------------------------------------
+# rendering
+
+
+def _escape(value: str) -> str:
+    return value.replace("&", "&amp;").replace('"', "&quot;")
+
+
+def _open(name: str, *attrs: tuple[str, str]) -> _Parts:
+    return [OPEN, name + "".join(f' {k}="{_escape(v)}"' for k, v in attrs), SEP]
+
+
+def _block(name: str, body: _Parts, *attrs: tuple[str, str]) -> _Parts:
+    return [*_open(name, *attrs), *body, CLOSE, name, SEP]
+
+
+def _system(kind: str, body: str) -> _Parts:
+    """A system message the format adds itself (``type="tool-declare"``, ``"thinking-effort"``)."""
+    return [*_block("message", [body], ("role", "system"), ("type", kind)), END]
+
+
+def _json_type(value: Any) -> str:
+    return next(name for kind, name in _JSON_TYPES if isinstance(value, kind))
+
+
+def _call(k: int, call: dict) -> _Parts:
+    args = call["arguments"]
+    if isinstance(args, dict):
+        body = [p for key, v in args.items() for p in _block(
+            "argument", [v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)], ("key", key),
+            ("type", _json_type(v)))]
+    else:
+        body = _block("json", [args], ("type", "object"))
+    return _block("call", body, ("tool", call["name"]), ("index", str(k)))
+
+
+def _render_message(m: dict, thinking: bool) -> _Parts:
+    role = m["role"]
+    if role == "assistant":
+        body = _block("think", [m["reasoning"] if m["reasoning"].strip() else ""]) if thinking else []
+        body += _block("response", [m["content"]])
+        if m["calls"]:
+            body += _block("tools", [p for k, call in enumerate(m["calls"], 1) for p in _call(k, call)])
+        return [*_block("message", body, ("role", "assistant")), END]
+    attrs = [("role", role)]
+    if role == "tool":
+        attrs += [("tool", m["tool"]), ("index", str(m["index"]))]
+    elif "name" in m:
+        attrs.append(("name", m["name"]))
+    body = [q for p in m.get("pieces", [m["content"]]) for q in ([p] if isinstance(p, str) else _image(p))]
+    return [*_block("message", body, *attrs), END]
+
+
+def _image(image: VisualInput) -> _Parts:
+    width, height = image.size
+    return [_Marker("media_begin"), f"image {width}x{height}", _Marker("media_content"),
+            *[_Marker("media_pad")] * image.tokens, _Marker("media_end")]
+
+
+def _encode(parts: _Parts, tokenizer: Any) -> list[int]:
+    """Marker ids, and each run of adjacent text pieces encoded as plain text."""
+    ids: list[int] = []
+    text: list[str] = []
+    for p in [*parts, None]:
+        if isinstance(p, _Marker) or p is None:
+            run = "".join(text)
+            if SURROGATE.search(run):
+                raise ValueError(f"text {run[:40]!r}... contains a lone surrogate, which is not valid Unicode")
+            ids += tokenizer.encode(run)
+            ids += [tokenizer.special_id(p)] if p is not None else []
+            text = []
+        else:
+            text.append(p)
+    return ids
+
+
+def render(messages: Sequence[dict], tokenizer: Any, mode: str = "thinking", tools: list[dict] | None = None,
+           add_generation_prompt: bool = True, thinking_effort: str = "max", tool_choice: str = "auto",
+           response_format: dict | None = None, media: Media | None = None) -> list[int]:
+    """Token ids of a conversation in the XTML format; ``ValueError`` naming the field for invalid input.
+
+    In thinking mode a ``thinking-effort`` system message follows the tool declaration, as the release's
+    ``apply_chat_template`` writes it (its default effort is ``"max"``; ``"low"`` and ``"high"`` are accepted).
+    After the conversation, as the release's encoder does: a ``tool-choice`` message for ``tool_choice``
+    ``"required"`` or ``"none"`` and a ``response-format`` message for a JSON ``response_format``.
+    """
+    check_mode(mode)
+    if thinking_effort not in EFFORTS:
+        raise ValueError(f"thinking_effort: expected one of {EFFORTS}, got {thinking_effort!r}")
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ValueError("messages: expected a non-empty list")
+    msgs = [_message(i, m, media) for i, m in enumerate(messages)]
+    _resolve_results(msgs)
+    thinking = mode == "thinking"
+    parts: _Parts = []
+    if tools is not None and functions(tools):
+        declared = json.dumps(tools, ensure_ascii=False, separators=(",", ":"), sort_keys=True)
+        parts += _system("tool-declare", _TOOLS_HEAD + declared + "\n```")
+    if thinking:
+        parts += _system("thinking-effort", _EFFORT.format(thinking_effort))
+    for m in msgs:
+        parts += _render_message(m, thinking)
+    if tool_choice in ("required", "none"):
+        parts += _system("tool-choice", f"The system is invoked with `tool_choice={tool_choice}`.\nYou MUST "
+                                        f"{'call tools' if tool_choice == 'required' else 'NOT call any tools'} in the "
+                                        "next message.")
+    kind = (response_format or {}).get("type")
+    if kind in ("json_object", "json_schema"):
+        body = _RAW_JSON.format(kind)
+        if kind == "json_schema":
+            schema = (response_format.get("json_schema") or {}).get("schema")
+            body += ("\nThe JSON data must match the following schema:\n```json\n"
+                     + json.dumps(schema, ensure_ascii=False, separators=(",", ":"), sort_keys=True) + "\n```")
+        parts += _system("response-format", body)
+    if add_generation_prompt:
+        parts += [*_open("message", ("role", "assistant")), *_open("think" if thinking else "response")]
+    return _encode(parts, tokenizer)
+
+
+def render_text(messages: Sequence[dict], tokenizer: Any, mode: str = "thinking", tools: list[dict] | None = None,
+                add_generation_prompt: bool = True, **options: Any) -> str:
+    """:func:`render` decoded to text, special tokens as literals (for display and debugging)."""
+    return tokenizer.decode(render(messages, tokenizer, mode, tools, add_generation_prompt, **options))
+
+
+# ------------------------------------------------------------------------------------------------
+# parsing
+
+
+def _attrs(text: str) -> dict[str, str]:
+    return {k: v.replace("&quot;", '"').replace("&amp;", "&") for k, v in _ATTR.findall(text)}
+
+
+def _blocks(pattern: re.Pattern[str], text: str) -> list[re.Match[str]] | None:
+    """Consecutive matches of ``pattern`` covering ``text`` up to whitespace, or ``None``."""
+    found, pos = [], 0
+    while text[pos:].strip():
+        if (m := pattern.match(text, pos)) is None:
+            return None
+        found.append(m)
+        pos = m.end()
+    return found
+
+
+def _arguments(body: str) -> dict | None:
+    blocks = _blocks(_ARG, body)
+    if blocks is None:
+        return None
+    if any(b[1] == "json" for b in blocks):
+        value = loads(blocks[0][3]) if len(blocks) == 1 else None
+        return value if isinstance(value, dict) else None
+    args = {}
+    for b in blocks:
+        attrs = _attrs(b[2])
+        if "key" not in attrs:
+            return None
+        try:
+            args[attrs["key"]] = b[3] if attrs.get("type", "string") == "string" else json.loads(b[3])
+        except ValueError:
+            return None
+    return args
+
+
+def parse_tool_calls(text: str) -> list[dict] | None:
+    """A tools section (``call`` blocks, with or without the ``tools`` tags) -> OpenAI tool_calls.
+
+    ``None`` unless the text is well-formed calls only (e.g. a section cut off by the token limit).
+    """
+    body = text.strip()
+    body = body[len(_WRAP[0]):] if body.startswith(_WRAP[0]) else body
+    body = body[:-len(_WRAP[1])] if body.endswith(_WRAP[1]) else body
+    calls = []
+    for i, m in enumerate(_blocks(_CALL, body) or ()):
+        name, args = _attrs(m[1]).get("tool"), _arguments(m[2])
+        if not name or args is None:
+            return None
+        calls.append({"id": f"call_{i}", "type": "function", "function": {"name": name, "arguments": dumps(args)}})
+    return calls or None
+
+
+class AssistantParser:
+    """Incremental parser of generated ids: ``feed(id)`` -> ``[(channel, text delta), ...]``.
+
+    Generation starts in ``"reasoning"`` (thinking) or ``"content"`` (instruct). A tag (``<|open|>`` or ``<|close|>``
+    up to ``<|sep|>``) is held back until complete: opening ``think``/``response``/``tools`` switches to the
+    reasoning/content/tools channel, any other tag leaves text unrouted until the next one. The tools section goes to
+    ``"tools"`` verbatim, its markers as literals, ``tools`` tags included (input for :func:`parse_tool_calls`); other
+    marker text is never emitted. ``<|end_of_msg|>`` or eos ends the message (``ended``; later ids are ignored).
+    """
+
+    def __init__(self, tokenizer: Any, mode: str = "thinking") -> None:
+        check_mode(mode)
+        self.tokenizer = tokenizer
+        self.channel: str | None = "reasoning" if mode == "thinking" else "content"
+        self.ended = False
+        self._open, self._close, self._sep = (tokenizer.special_id(m) for m in (OPEN, CLOSE, SEP))
+        self._stops = set(stop_ids(tokenizer))
+        self._special = set(tokenizer.special_ids.values())
+        self._tag: list[int] | None = None  # ids of the tag being read
+        self._detok = IncrementalDetokenizer(tokenizer)
+
+    def feed(self, token_id: int) -> list[tuple[str, str]]:
+        t = int(token_id)
+        if self.ended:
+            return []
+        if t in self._stops:
+            self.ended = True
+            return self.flush()
+        if self._tag is not None:
+            self._tag.append(t)
+            return self._end_tag() if t == self._sep else []
+        if t in (self._open, self._close):
+            self._tag = [t]
+            return self._drain()
+        if t in self._special:
+            return self._drain() + self._emit(self.tokenizer.decode([t])) if self.channel == "tools" else []
+        return self._emit(self._detok.push(t))
+
+    def flush(self) -> list[tuple[str, str]]:
+        """The held-back remainder: pending text (an incomplete character becomes U+FFFD) and, in the tools
+        section, an unfinished tag."""
+        out = self._drain()
+        if self._tag is not None and self.channel == "tools":
+            out += self._emit(self.tokenizer.decode(self._tag))
+        self._tag = None
+        return out
+
+    def _end_tag(self) -> list[tuple[str, str]]:
+        ids, self._tag = self._tag, None
+        opening, name = ids[0] == self._open, self.tokenizer.decode(ids[1:-1]).split(" ", 1)[0]
+        if self.channel == "tools":
+            out = self._emit(self.tokenizer.decode(ids))
+            if not opening and name == "tools":
+                self.channel = None
+            return out
+        self.channel = _CHANNELS.get(name) if opening else None
+        return self._emit(self.tokenizer.decode(ids)) if self.channel == "tools" else []
+
+    def _drain(self) -> list[tuple[str, str]]:
+        out = self._emit(self._detok.flush())
+        self._detok = IncrementalDetokenizer(self.tokenizer)
+        return out
+
+    def _emit(self, text: str) -> list[tuple[str, str]]:
+        return [(self.channel, text)] if text and self.channel else []

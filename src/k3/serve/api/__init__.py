@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP API over the engine (FastAPI): routes, bodies and errors, metrics, pages."""

@@ -1,0 +1,161 @@
+"""What the route families share: the engine, the served model's name, the limits, and the request steps
+that must happen off the event loop or before any expensive work (issue 9).
+
+CPU work — parsing and validating the body, tokenizing, rendering a conversation — runs in the thread
+pool, so one large request never stalls `/health` or other clients' streams. Before tokenizing, a cheap
+bound refuses prompts that cannot fit: text of ``n`` characters has at least ``n / max_token_bytes``
+tokens, so a prompt whose bound already exceeds the context is a 400 ``context_length_exceeded`` in
+O(1), however many megabytes it is.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel
+from starlette.concurrency import run_in_threadpool
+
+from k3.tokenization.image import VisualInput
+from k3.serve.engine import Engine, Output, Processor, SamplingParams
+from k3.serve.asgi.guard import Limits
+from k3.serve.api.images import ImageParts
+from k3.serve.api.jobs import Jobs, error_of
+from k3.serve.api.metrics import Metrics
+from k3.serve.api.protocol import APIError, parse_body, sse, usage
+from k3.serve.engine.structured import json_constraint
+
+__all__ = ["Reply", "Route", "Serving"]
+
+B = TypeVar("B", bound=BaseModel)
+
+
+class Serving:
+    """Shared state and steps of the chat and completion handlers."""
+
+    def __init__(self, engine: Engine, model_name: str, limits: Limits, default_mode: str = "instruct",
+                 separate_reasoning: bool = True) -> None:
+        self.engine, self.model_name, self.limits, self.default_mode = engine, model_name, limits, default_mode
+        self.separate_reasoning = separate_reasoning
+        self.metrics = Metrics(engine)
+        self.tokenizer = engine.tokenizer
+        self.created = int(time.time())
+
+    async def body(self, request: Request, model: type[B]) -> B:
+        """The request's JSON body validated as ``model`` (in a worker thread)."""
+        raw = await request.body()
+        body = await run_in_threadpool(parse_body, raw, model)
+        if body.model is not None and body.model != self.model_name:  # optional only for tokenizer requests
+            raise APIError(404, f"The model `{body.model}` does not exist; this server serves `{self.model_name}`.",
+                           param="model", code="model_not_found")
+        body.unsupported()
+        return body
+
+    def check_chars(self, chars: int, param: str) -> None:
+        """Refuse, without tokenizing, text that has more tokens than the context holds (module docstring)."""
+        least = -(-chars // self.tokenizer.max_token_bytes)
+        if least > self.engine.max_model_len:
+            raise APIError(400, f"This model's maximum context length is {self.engine.max_model_len} tokens. "
+                                f"However, your {param} has {chars} characters, which is at least {least} tokens. "
+                                f"Please reduce the {param}.", param=param, code="context_length_exceeded")
+
+    def check_choices(self, count: int) -> None:
+        if count > self.limits.max_choices:
+            raise APIError(400, f"n: this request asks for {count} generations (prompts × n); this server allows "
+                                f"at most {self.limits.max_choices} per request", param="n")
+
+    def max_tokens(self, requested: int | None, prompt_tokens: int) -> int:
+        """``requested``, or what the context leaves after the prompt (at least 1)."""
+        return requested if requested is not None else max(1, self.engine.max_model_len - prompt_tokens)
+
+    async def constraint(self, schema: dict | None, stop_ids: tuple[int, ...], param: str) -> Callable[[], Any]:
+        """A grammar-matcher factory for JSON (``schema`` None: any object), compiled off the event loop; an
+        unusable schema is a 400 naming ``param``."""
+        try:
+            return await run_in_threadpool(json_constraint, self.tokenizer, schema, stop_ids)
+        except ValueError as err:
+            raise APIError(400, f"{param}: {err}", param=param) from err
+
+    def submit(self, jobs: list[tuple[list[int], SamplingParams, Processor | None]],
+               images: list[VisualInput] | None = None) -> Jobs:
+        """Queue the request's jobs as one group, with the server's request timeout; ``images`` fill the prompt's
+        media placeholders."""
+        return Jobs(self.engine, jobs, group=uuid.uuid4().hex, timeout=self.limits.request_timeout,
+                    timer=self.metrics.timer(), images=images)
+
+    def image_parts(self) -> ImageParts | None:
+        """A collector for a request's ``image_url`` parts, if the model has a vision encoder."""
+        if self.engine.model.vision is None:
+            return None
+        return ImageParts(self.engine.model.config.vision.patch_budget, self.limits.max_images)
+
+
+class Route:
+    """A route family: an async callable over the shared `Serving`."""
+
+    def __init__(self, serving: Serving) -> None:
+        self.serving = serving
+        self.tokenizer = serving.tokenizer
+
+
+class Reply:
+    """What the responses of one request share: id, creation time, model, and usage per choice."""
+
+    OBJECT = PREFIX = ""  # OpenAI's object name of a (streamed) response, and the id prefix
+
+    def __init__(self, model_name: str, body: Any, choices: int, prompt_tokens: int) -> None:
+        self.model_name, self.body = model_name, body
+        self.id, self.created = f"{self.PREFIX}-{uuid.uuid4().hex}", int(time.time())
+        self.completion_tokens = [0] * choices
+        self.cached = [0] * choices  # prompt tokens each choice resumed from the prefix cache
+        self.per_prompt = choices  # choices that share one prompt (completions with several prompts: n)
+        self.prompt_tokens = prompt_tokens
+
+    def chunk(self, choices: list[dict], usage_: dict | None = None, object_: str | None = None) -> dict:
+        """A response object; ``usage`` is present when given, and in every chunk of a stream that asked for it."""
+        out = {"id": self.id, "object": object_ or self.OBJECT, "created": self.created, "model": self.model_name,
+               "choices": choices}
+        if usage_ is not None or self.body.include_usage:
+            out["usage"] = usage_
+        return out
+
+    def record(self, index: int, output: Output) -> None:
+        """Count an output of choice ``index`` for ``usage``."""
+        self.completion_tokens[index] = output.completion_tokens
+        self.cached[index] = output.cached_tokens
+
+    def usage(self) -> dict:
+        k = self.per_prompt
+        cached = sum(max(self.cached[i:i + k]) for i in range(0, len(self.cached), k))
+        return usage(self.prompt_tokens, sum(self.completion_tokens), cached)
+
+    def opening(self) -> list[str]:
+        """SSE events sent before any output."""
+        return []
+
+    def events(self, index: int, output: Output) -> list[str]:
+        """SSE events for one output of choice ``index``."""
+        raise NotImplementedError
+
+    async def stream(self, run: Jobs) -> AsyncIterator[str]:
+        """The SSE stream: `opening`, `events` per output, an error event when a choice fails or the
+        request times out, the usage chunk when asked for, then ``[DONE]``."""
+        for event in self.opening():
+            yield event
+        try:
+            async for i, output in run.outputs():
+                self.record(i, output)
+                if (err := error_of(output)) is not None:
+                    yield sse(err.body(), "error")
+                    return
+                for event in self.events(i, output):
+                    yield event
+        except APIError as err:  # the request timed out
+            yield sse(err.body(), "error")
+            return
+        if self.body.include_usage:
+            yield sse(self.chunk([], self.usage()))
+        yield sse("[DONE]")

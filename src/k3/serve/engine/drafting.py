@@ -1,0 +1,179 @@
+"""Speculative decoding in the engine (issue 14; SPEC §8): draft γ tokens, verify them in one target pass, replay.
+
+Per step, each speculating request's `Drafter` proposes γ tokens with the distributions ``q`` it sampled them
+from; the engine feeds ``[pending, d_1 … d_γ]`` as one batch-1 group of `K3ForCausalLM.forward_groups` (with every
+position's logits and a `Replay`), next to the other requests' decode rows and prefill chunks. `verify_run` then
+applies the lossless rule (`k3.serve.engine.speculative.verify`) to the target's *processed* distributions (penalties,
+temperature, top-k / top-p / min-p, exactly as plain sampling would use them), emits the accepted tokens and the
+corrected or bonus token one by one (stop strings, stop ids and ``max_tokens`` can end the run inside it), and
+advances the target state to the accepted prefix with ``state.accept(n + 1)`` — a KDA replay from the recorded
+inputs, not a snapshot per drafted position. Greedy requests accept while the target's argmax agrees, so their
+tokens are exactly those of plain decoding.
+
+`EagleDrafter` drafts with an EAGLE-3 draft that reads the target's features (`observe`); `ModelDrafter` with a
+small independent K3 model (classic speculative decoding), whose per-request draft states are immutable values,
+so rolling the draft back to the accepted prefix is choosing one of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from k3.model.draft import DraftState, EagleDraft
+from k3.model.lm import K3ForCausalLM
+from k3.model.state import DecoderState
+from k3.serve.engine.sampling import SamplingParams, process
+from k3.serve.engine.speculative import probabilities, verify, verify_greedy
+
+__all__ = ["Draft", "Drafter", "EagleDrafter", "ModelDrafter", "proposals", "verify_run"]
+
+
+@dataclass
+class Draft:
+    """γ proposed tokens and the draft distributions ``q`` [γ, V] they were sampled from."""
+
+    tokens: list[int]
+    q: Tensor
+
+
+class Drafter(Protocol):
+    """Proposes tokens for one request at a time; keyed by the engine's request id. ``feature_layers`` (None for
+    a drafter that does not read the target) are the target layers whose retrieved inputs `observe` receives."""
+
+    feature_layers: tuple[int, ...] | None
+
+    def observe(self, request_id: str, tokens: list[int], features: Tensor | None) -> None:
+        """The target consumed ``tokens`` (a prefill chunk, a decode token, or a verified run's kept tokens) and
+        produced ``features`` ``[T, len(feature_layers), d]`` at them."""
+
+    def propose(self, request_id: str, history: list[int], pending: int, params: SamplingParams, prompt: list[int],
+                output: list[int], generator: torch.Generator | None, gamma: int) -> Draft: ...
+
+    def accept(self, request_id: str, accepted: int) -> None:
+        """The target kept ``pending`` and the first ``accepted`` drafted tokens of the last proposal."""
+
+    def end(self, request_id: str) -> None:
+        """The request finished or was aborted."""
+
+
+class ModelDrafter:
+    """Drafts with an independent small `K3ForCausalLM` sharing the target's vocabulary."""
+
+    feature_layers = None
+
+    def __init__(self, model: K3ForCausalLM) -> None:
+        self.model = model.eval()
+        self._states: dict[str, DecoderState] = {}  # per request: consumed everything before its pending token
+        self._proposed: dict[str, tuple[list[DecoderState], list[int]]] = {}  # the last proposal: states, tokens
+
+    def observe(self, request_id: str, tokens: list[int], features: Tensor | None) -> None:
+        """The draft reads the tokens itself (`propose`, `accept`)."""
+
+    @torch.inference_mode()
+    def propose(self, request_id: str, history: list[int], pending: int, params: SamplingParams, prompt: list[int],
+                output: list[int], generator: torch.Generator | None, gamma: int) -> Draft:
+        state = self._states.get(request_id)
+        if state is None:  # first proposal: read everything before the pending token
+            state = self.model.new_state(1)
+            if history:
+                _, state = self.model(torch.tensor([history]), state=state)
+            self._states[request_id] = state
+        tokens, qs, states, token = [], [], [], pending
+        for _ in range(gamma):
+            logits, state = self.model(torch.tensor([[token]]), state=state)
+            states.append(state)
+            q = probabilities(process(logits[0, -1].float(), params, prompt, output + tokens), params)
+            token = int(q.argmax()) if params.temperature == 0 else int(torch.multinomial(q, 1, generator=generator))
+            tokens.append(token)
+            qs.append(q)
+        self._proposed[request_id] = (states, tokens)  # states[i]: after pending, d_1 … d_i
+        return Draft(tokens, torch.stack(qs))
+
+    @torch.inference_mode()
+    def accept(self, request_id: str, accepted: int) -> None:
+        states, tokens = self._proposed.pop(request_id)
+        if accepted < len(states):
+            self._states[request_id] = states[accepted]
+        else:  # every draft was kept: the draft has not read its own last token yet
+            _, self._states[request_id] = self.model(torch.tensor([[tokens[-1]]]), state=states[-1])
+
+    def end(self, request_id: str) -> None:
+        self._states.pop(request_id, None)
+        self._proposed.pop(request_id, None)
+
+
+@dataclass
+class _Sequence:
+    state: DraftState
+    feature: Tensor | None = None  # the fused target feature at the last position the target consumed
+
+
+class EagleDrafter:
+    """Drafts with an EAGLE-3 draft (`k3.model.draft.EagleDraft`) from the target's own features: every position
+    the target consumes is paired with the next token and read by the draft with its *true* fused feature, so
+    after a verification the draft continues exactly from the accepted prefix."""
+
+    def __init__(self, draft: EagleDraft) -> None:
+        self.draft = draft.eval()
+        self.feature_layers = draft.config.feature_layers
+        self._sequences: dict[str, _Sequence] = {}
+
+    @torch.inference_mode()
+    def observe(self, request_id: str, tokens: list[int], features: Tensor | None) -> None:
+        seq = self._sequences.setdefault(request_id, _Sequence(self.draft.new_state(1)))
+        fused = self.draft.fuse(list(features.unbind(-2)))  # [T, d]
+        previous = [] if seq.feature is None else [seq.feature[None]]
+        hidden = torch.cat([*previous, fused[:-1]])
+        paired = tokens if seq.feature is not None else tokens[1:]
+        if paired:
+            _, _, seq.state = self.draft(torch.tensor([paired]), hidden[None], seq.state)
+        seq.feature = fused[-1]
+
+    @torch.inference_mode()
+    def propose(self, request_id: str, history: list[int], pending: int, params: SamplingParams, prompt: list[int],
+                output: list[int], generator: torch.Generator | None, gamma: int) -> Draft:
+        seq = self._sequences[request_id]
+        tokens, q, _ = self.draft.propose(seq.feature, pending, seq.state, gamma, params, probabilities, generator)
+        return Draft(tokens, q)
+
+    def accept(self, request_id: str, accepted: int) -> None:
+        """Nothing to undo: the draft reads the kept tokens with the target's features (`observe`)."""
+
+    def end(self, request_id: str) -> None:
+        self._sequences.pop(request_id, None)
+
+
+def verify_run(logits: Tensor, state: DecoderState, draft: Draft, params: SamplingParams, prompt: list[int],
+               output: list[int], generator: torch.Generator | None) -> tuple[list[int], DecoderState, list[Tensor]]:
+    """From the target's logits ``[γ+1, V]`` at ``[pending, d_1 … d_γ]``: the tokens to emit (the accepted drafts,
+    then the corrected or bonus token), the target state after ``pending`` and the accepted drafts, and each
+    emitted token's raw log-probabilities (what logprobs report)."""
+    logits = logits.float()
+    gamma = len(draft.tokens)
+    rows = [process(logits[i], params, prompt, output + draft.tokens[:i]) for i in range(gamma + 1)]
+    if params.temperature == 0:
+        n, token = verify_greedy([int(r.argmax()) for r in rows], draft.tokens)
+    else:
+        n, token = verify(torch.stack([probabilities(r, params) for r in rows]), draft.q, draft.tokens, generator)
+    raw = logits.log_softmax(-1)
+    return draft.tokens[:n] + [token], state.accept(n + 1), [raw[i] for i in range(n + 1)]
+
+
+def proposals(drafter: Drafter | None, requests: list, gamma: int, max_model_len: int) -> dict[str, Draft]:
+    """This step's drafts of the engine's decoding ``requests`` that speculate: not under a grammar (its matcher
+    would have to roll back), and with room for a draft — no more drafts than tokens the request may still emit
+    (one is the bonus) or the context holds."""
+    if drafter is None:
+        return {}
+    out = {}
+    for r in requests:
+        length = min(gamma, r.params.max_tokens - len(r.output_ids) - 1, max_model_len - r.state.position - 2)
+        if length > 0 and r.params.constraint is None:
+            out[r.id] = drafter.propose(r.id, r.prompt + r.output_ids[:-1], r.pending, r.params, r.prompt,
+                                        r.output_ids, r.generator, length)
+    return out
+
