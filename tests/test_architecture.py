@@ -147,7 +147,8 @@ def violations(modules: dict[str, Module]) -> list[str]:
             if rule:
                 out.append(f"{m.name} imports {target}: {rule}")
         if within(m.name, "k3.serve.engine"):
-            out += [f"{m.name} imports {pkg}: the engine knows nothing of HTTP" for pkg in sorted(m.external & set(WEB))]
+            out += [f"{m.name} imports {pkg}: the engine knows nothing of HTTP"
+                    for pkg in sorted(m.external & set(WEB))]
         out += [f"{m.name} takes {p}: another module's private name" for p in m.private
                 if p.rsplit(".", 1)[0] != m.name]
     return out

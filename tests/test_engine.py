@@ -52,6 +52,16 @@ def test_greedy_equals_full_recomputation(model, tok):
         assert alone(engine, prompt, GREEDY) == reference_greedy(model, prompt, GREEDY.max_tokens)
 
 
+def test_a_reused_request_id_starts_from_its_own_prompt(model, tok):
+    """A library user may reuse an id once its request ended: the new request decodes from its own prompt, never
+    from the ended request's stacked decode state (tokens equal full recomputation)."""
+    engine = Engine(model, tok, prefill_chunk=16)
+    first, second = serving.prompts()[:2]
+    for prompt in (first, second, first):
+        tokens = [t for o in engine.generate(prompt, GREEDY, request_id="same") for t in o.token_ids]
+        assert tokens == reference_greedy(model, prompt, GREEDY.max_tokens)
+
+
 def test_batch_invariance(model, tok):
     """Greedy tokens of each request are the same alone and in a batch of unequal lengths (MLA padding)."""
     prompts = serving.prompts()
@@ -90,7 +100,7 @@ def test_chunked_prefill_gives_the_same_tokens_and_interleaves(model, tok):
     prompts = serving.prompts()
     whole, _, _ = run_together(Engine(model, tok, prefill_chunk=10_000), prompts, GREEDY)
     small_chunks = Engine(model, tok, prefill_chunk=7)
-    small_chunks.IDLE_PREFILL = 7  # chunk even while nothing decodes
+    small_chunks.scheduler.idle_prefill = 7  # chunk even while nothing decodes
     chunked, _, steps = run_together(small_chunks, prompts, GREEDY)
     assert chunked == whole and steps >= sum(map(len, prompts)) // 7
     # A long prompt arriving while a short request decodes: the short one gets a token every step.

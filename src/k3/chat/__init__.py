@@ -21,7 +21,7 @@ class Parser(Protocol):
     """An incremental parser of generated ids: ``feed(id)`` -> ``[(channel, text delta), ...]``; ``channel`` is the
     channel the next text goes to ("reasoning", "content", "tools"); ``ended`` once the turn's end was read."""
 
-    channel: str
+    channel: str | None
     ended: bool
 
     def feed(self, token_id: int) -> list[tuple[str, str]]: ...

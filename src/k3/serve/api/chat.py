@@ -22,7 +22,6 @@ from starlette.concurrency import run_in_threadpool
 from k3.serve.engine import Output
 from k3.chat import chat_format
 from k3.serve.api.serving import Reply, Route
-from k3.serve.engine.images import check_prompt
 from k3.serve.api.jobs import Jobs, error_of
 from k3.serve.api.protocol import APIError, ChatBody, NamedToolChoice, extend_logprobs, sse, vllm_prompt_logprobs
 
@@ -46,7 +45,7 @@ class ChatCompletions(Route):
         fmt = chat_format(self.tokenizer)
         tool_choice = body.tool_choice if isinstance(body.tool_choice, str) else "required" if forced else "auto"
         response_format = body.response_format.model_dump(by_alias=True) if body.response_format else None
-        images = s.image_parts() if getattr(fmt, "IMAGES", False) else None
+        images = s.image_parts() if fmt.IMAGES else None
         media = {} if images is None else {"media": images}
         try:
             prompt = await run_in_threadpool(lambda: fmt.render(body.messages, self.tokenizer, mode, body.tools,
@@ -54,20 +53,20 @@ class ChatCompletions(Route):
                                                                 response_format=response_format, **media))
         except ValueError as err:
             raise APIError(400, str(err), param="messages") from err
-        prompt = body.truncate(prompt)
-        if images is not None:
-            try:
-                check_prompt(s.engine.model, prompt, images.inputs)
-            except ValueError as err:
-                raise APIError(400, f"truncate_prompt_tokens: truncation would cut into an image's slots ({err})",
-                               param="truncate_prompt_tokens") from err
+        rendered, prompt = len(prompt), body.truncate(prompt)
         stop_ids = fmt.stop_ids(self.tokenizer)
         constraint = await s.constraint(schema, stop_ids, forced or "response_format") if structured else None
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         top = (body.top_logprobs or 0) if body.logprobs else None
-        run = s.submit([(prompt, params, fmt.AssistantParser(self.tokenizer, mode)) for params in body.sampling(
-            s.max_tokens(requested, len(prompt)), stop_ids, top, self.tokenizer.vocab_size, constraint)],
-            images=images.inputs if images is not None and images.inputs else None)
+        try:  # the engine checks that the prompt holds the images' slots
+            run = s.submit([(prompt, params, fmt.AssistantParser(self.tokenizer, mode)) for params in body.sampling(
+                s.max_tokens(requested, len(prompt)), stop_ids, top, self.tokenizer.vocab_size, constraint)],
+                images=images.inputs if images is not None and images.inputs else None)
+        except APIError as err:
+            if err.param != "prompt" or len(prompt) == rendered:
+                raise
+            raise APIError(400, f"truncate_prompt_tokens: truncation would cut into an image's slots ({err.message})",
+                           param="truncate_prompt_tokens") from err
         separate = body.separate_reasoning if body.separate_reasoning is not None else s.separate_reasoning
         reply = _Reply(s.model_name, body, mode, self.tokenizer.decode, len(prompt), fmt.parse_tool_calls, separate,
                        forced)

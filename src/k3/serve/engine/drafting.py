@@ -2,21 +2,23 @@
 
 Per step, each speculating request's `Drafter` proposes γ tokens with the distributions ``q`` it sampled them
 from; the engine feeds ``[pending, d_1 … d_γ]`` as one batch-1 group of `K3ForCausalLM.forward_groups` (with every
-position's logits and a `Replay`), next to the other requests' decode rows and prefill chunks. `verify_run` then
-applies the lossless rule (`k3.serve.engine.speculative.verify`) to the target's *processed* distributions (penalties,
-temperature, top-k / top-p / min-p, exactly as plain sampling would use them), emits the accepted tokens and the
-corrected or bonus token one by one (stop strings, stop ids and ``max_tokens`` can end the run inside it), and
-advances the target state to the accepted prefix with ``state.accept(n + 1)`` — a KDA replay from the recorded
-inputs, not a snapshot per drafted position. Greedy requests accept while the target's argmax agrees, so their
-tokens are exactly those of plain decoding.
+position's logits and a `Replay`), next to the other requests' decode rows and prefill chunks. The sampler's
+`verify` (`k3.serve.engine.sampler`) then applies the lossless rule (`k3.serve.engine.speculative.verify`) to the
+target's *processed* distributions (penalties, temperature, top-k / top-p / min-p, exactly as plain sampling would
+use them); the accepted tokens and the corrected or bonus token are emitted one by one (stop strings, stop ids and
+``max_tokens`` can end the run inside it), and the target state advances to the accepted prefix with
+``state.accept(n + 1)`` — a KDA replay from the recorded inputs, not a snapshot per drafted position. Greedy
+requests accept while the target's argmax agrees, so their tokens are exactly those of plain decoding.
 
 `EagleDrafter` drafts with an EAGLE-3 draft that reads the target's features (`observe`); `ModelDrafter` with a
 small independent K3 model (classic speculative decoding), whose per-request draft states are immutable values,
-so rolling the draft back to the accepted prefix is choosing one of them.
+so rolling the draft back to the accepted prefix is choosing one of them. `Speculator` is the engine's side: who
+drafts in a step, and what the drafter is told of the target's features and of each verified run.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -27,9 +29,10 @@ from k3.model.draft import DraftState, EagleDraft
 from k3.model.lm import K3ForCausalLM
 from k3.model.state import DecoderState
 from k3.serve.engine.sampling import SamplingParams, process
-from k3.serve.engine.speculative import probabilities, verify, verify_greedy
+from k3.serve.engine.request import Request
+from k3.serve.engine.speculative import probabilities
 
-__all__ = ["Draft", "Drafter", "EagleDrafter", "ModelDrafter", "proposals", "verify_run"]
+__all__ = ["Draft", "Drafter", "EagleDrafter", "ModelDrafter", "Speculator"]
 
 
 @dataclass
@@ -147,33 +150,43 @@ class EagleDrafter:
         self._sequences.pop(request_id, None)
 
 
-def verify_run(logits: Tensor, state: DecoderState, draft: Draft, params: SamplingParams, prompt: list[int],
-               output: list[int], generator: torch.Generator | None) -> tuple[list[int], DecoderState, list[Tensor]]:
-    """From the target's logits ``[γ+1, V]`` at ``[pending, d_1 … d_γ]``: the tokens to emit (the accepted drafts,
-    then the corrected or bonus token), the target state after ``pending`` and the accepted drafts, and each
-    emitted token's raw log-probabilities (what logprobs report)."""
-    logits = logits.float()
-    gamma = len(draft.tokens)
-    rows = [process(logits[i], params, prompt, output + draft.tokens[:i]) for i in range(gamma + 1)]
-    if params.temperature == 0:
-        n, token = verify_greedy([int(r.argmax()) for r in rows], draft.tokens)
-    else:
-        n, token = verify(torch.stack([probabilities(r, params) for r in rows]), draft.q, draft.tokens, generator)
-    raw = logits.log_softmax(-1)
-    return draft.tokens[:n] + [token], state.accept(n + 1), [raw[i] for i in range(n + 1)]
+class Speculator:
+    """The engine's side of speculation: which decoding requests draft this step and how many tokens, what the
+    target's features and verified runs tell the drafter, and the counts ``runs``, ``drafted``, ``accepted``."""
 
+    def __init__(self, drafter: Drafter | None, num_draft_tokens: int, max_model_len: int) -> None:
+        self.drafter, self.gamma, self.max_model_len = drafter, num_draft_tokens, max_model_len
+        self.feature_layers = None if drafter is None else drafter.feature_layers
+        self.counts: Counter[str] = Counter()
 
-def proposals(drafter: Drafter | None, requests: list, gamma: int, max_model_len: int) -> dict[str, Draft]:
-    """This step's drafts of the engine's decoding ``requests`` that speculate: not under a grammar (its matcher
-    would have to roll back), and with room for a draft — no more drafts than tokens the request may still emit
-    (one is the bonus) or the context holds."""
-    if drafter is None:
-        return {}
-    out = {}
-    for r in requests:
-        length = min(gamma, r.params.max_tokens - len(r.output_ids) - 1, max_model_len - r.state.position - 2)
-        if length > 0 and r.params.constraint is None:
-            out[r.id] = drafter.propose(r.id, r.prompt + r.output_ids[:-1], r.pending, r.params, r.prompt,
-                                        r.output_ids, r.generator, length)
-    return out
+    def propose(self, requests: list[Request]) -> dict[Request, Draft]:
+        """This step's drafts of the decoding ``requests`` that speculate: not under a grammar (its matcher would
+        have to roll back), and with room for a draft — no more drafts than tokens the request may still emit
+        (one is the bonus) or the context holds."""
+        if self.drafter is None:
+            return {}
+        out = {}
+        for r in requests:
+            length = min(self.gamma, r.params.max_tokens - len(r.output_ids) - 1,
+                         self.max_model_len - r.state.position - 2)
+            if length > 0 and r.params.constraint is None:
+                out[r] = self.drafter.propose(r.id, r.prompt + r.output_ids[:-1], r.pending, r.params, r.prompt,
+                                              r.output_ids, r.generator, length)
+        return out
 
+    def observe(self, request: Request, tokens: list[int], features: Tensor | None) -> None:
+        """The target consumed ``tokens`` of ``request`` with ``features`` (for a drafter that reads them)."""
+        if features is not None:
+            self.drafter.observe(request.id, tokens, features)
+
+    def verified(self, request: Request, pending: int, drafted: int, kept: list[int], features: Tensor | None) -> None:
+        """The target kept ``pending`` and the accepted drafts of a run of ``drafted`` (``kept``: the emitted tokens,
+        the last of them the corrected or bonus token, not yet consumed)."""
+        self.drafter.accept(request.id, len(kept) - 1)
+        if features is not None:
+            self.drafter.observe(request.id, [pending, *kept[:-1]], features[:len(kept)])
+        self.counts.update(runs=1, drafted=drafted, accepted=len(kept) - 1)
+
+    def end(self, request: Request) -> None:
+        if self.drafter is not None:
+            self.drafter.end(request.id)

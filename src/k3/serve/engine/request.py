@@ -1,0 +1,156 @@
+"""A request in the engine (SPEC §8): what a caller hands the engine, what the engine keeps per request while it
+runs, and what it reports back after every step (`Output`).
+
+`Request` is the one per-request record the engine's seams share (vLLM v1 keeps the same shape): the scheduler
+moves it between waiting and running and advances its prefill, the runner reads its state and tokens, the
+sampler its parameters and generator, the outputs its processor and stop-string hold-back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from k3.model.state import DecoderState
+from k3.serve.engine.sampling import SamplingParams, TokenLogprob
+from k3.tokenization.bpe import Tokenizer
+from k3.tokenization.detok import IncrementalDetokenizer
+from k3.tokenization.image import VisualInput
+
+__all__ = ["ContextLengthExceeded", "Output", "Processor", "QueueFull", "Request", "TextProcessor", "new_request"]
+
+
+@dataclass
+class Output:
+    """What one step produced for one request: text deltas per channel, the new token ids, and,
+    on the last output, ``finish_reason`` ("stop", "length", "abort" or "error" with ``error``).
+    ``prompt_logprobs`` (one per prompt token, None for the first) comes once, with the first output after
+    the prompt was read; ``cumulative_logprob`` sums the generated tokens' log-probabilities so far."""
+
+    request_id: str
+    deltas: list[tuple[str, str]]
+    token_ids: list[int]
+    logprobs: list[TokenLogprob]
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: str | None = None
+    error: str | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    cumulative_logprob: float = 0.0
+    cached_tokens: int = 0  # prompt tokens restored from the prefix cache
+
+
+class Processor(Protocol):
+    """Turns generated ids into ``(channel, text)`` deltas; ``channel`` is where the next text goes (a grammar
+    constrains only the answer: "text" or "content", `k3.chat.Parser`)."""
+
+    channel: str | None
+
+    def feed(self, token_id: int) -> list[tuple[str, str]]: ...
+
+    def flush(self) -> list[tuple[str, str]]: ...
+
+
+class TextProcessor:
+    """Plain completions: one "text" channel; special tokens produce no text unless ``skip_special_tokens`` is
+    False (then their literals)."""
+
+    channel = "text"
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+        self._special = set(tokenizer.special_ids.values()) if skip_special_tokens else set()
+        self._detok = IncrementalDetokenizer(tokenizer)
+
+    def feed(self, token_id: int) -> list[tuple[str, str]]:
+        if token_id in self._special:
+            return []
+        text = self._detok.push(token_id)
+        return [("text", text)] if text else []
+
+    def flush(self) -> list[tuple[str, str]]:
+        text = self._detok.flush()
+        return [("text", text)] if text else []
+
+
+class ContextLengthExceeded(ValueError):
+    """A prompt plus ``max_tokens`` longer than the model's context length."""
+
+    def __init__(self, prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
+        self.prompt_tokens, self.max_tokens, self.max_model_len = prompt_tokens, max_tokens, max_model_len
+        super().__init__(f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                         f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, {max_tokens} in the "
+                         f"completion). Please reduce the prompt or max_tokens.")
+
+
+class QueueFull(RuntimeError):
+    """The engine's waiting queue cannot take the requests; ``retry_after`` is a suggested wait in seconds."""
+
+    def __init__(self, waiting: int, wanted: int, limit: int, retry_after: int) -> None:
+        self.retry_after = retry_after
+        super().__init__(f"the server is busy: {waiting} requests are waiting and this request needs {wanted} more "
+                         f"places (the queue holds {limit}); retry after {retry_after} s")
+
+
+@dataclass(eq=False)
+class Request:
+    """One request while the engine holds it (compared by identity: an id may be reused once it has ended)."""
+
+    id: str
+    group: str
+    prompt: list[int]
+    params: SamplingParams
+    processor: Processor
+    callback: Callable[[Output], None]
+    generator: torch.Generator | None
+    state: DecoderState | None = None
+    prefilled: int = 0
+    pending: int | None = None  # the last sampled token, to be fed at the next decode
+    output_ids: list[int] = field(default_factory=list)
+    held: tuple[str, str] | None = None  # (channel, text) withheld while it may start a stop string
+    constraint: Any | None = None  # the request's grammar matcher (`k3.serve.engine.structured`)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # filled while the prompt is read, sent once
+    cumulative_logprob: float = 0.0
+    cached: int = 0  # prompt tokens restored from the prefix cache
+    pins: list = field(default_factory=list)  # prefix-cache entries held while the request runs
+    cuts: list[int] = field(default_factory=list)  # prompt positions where prefill chunks end (cache checkpoints)
+    images: list[VisualInput] | None = None  # what fills the prompt's media placeholders, in order
+    image_key: str | None = None  # digest of the prompt's images: prefixes are shared only with the same images
+    embeds: Tensor | None = None  # [T, d] prompt embeddings with the images encoded in (at the first prefill)
+
+    @property
+    def salt(self) -> str | None:
+        """The prefix-cache salt: the request's ``cache_salt``, and its images (the placeholder ids alone do not
+        say which image fills them)."""
+        if self.image_key is None:
+            return self.params.cache_salt
+        return f"{self.params.cache_salt or ''}|images:{self.image_key}"
+
+    @property
+    def prompt_done(self) -> bool:
+        return self.prefilled == len(self.prompt)
+
+
+def new_request(prompt: list[int], params: SamplingParams, processor: Processor | None,
+                callback: Callable[[Output], None] | None, request_id: str, group: str, tokenizer: Tokenizer,
+                vocab_size: int, max_model_len: int) -> Request:
+    """A checked `Request`: a non-empty prompt of ids in ``[0, vocab_size)``, valid parameters, and room for
+    ``max_tokens`` in the context (`ContextLengthExceeded`); otherwise a ValueError naming the field."""
+    if not isinstance(prompt, list) or not prompt:
+        raise ValueError("prompt: expected a non-empty list of token ids")
+    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in prompt):
+        raise ValueError(f"prompt: token ids must be integers in [0, {vocab_size})")
+    params.check(vocab_size)
+    if len(prompt) + params.max_tokens > max_model_len:
+        raise ContextLengthExceeded(len(prompt), params.max_tokens, max_model_len)
+    generator = None
+    if params.temperature > 0:
+        generator = torch.Generator()
+        generator.manual_seed(params.seed % 2**64) if params.seed is not None else generator.seed()
+    return Request(request_id, group, list(prompt), params, processor or TextProcessor(tokenizer),
+                   callback or (lambda _: None), generator,
+                   constraint=None if params.constraint is None else params.constraint(),
+                   prompt_logprobs=None if params.prompt_logprobs is None else [None])

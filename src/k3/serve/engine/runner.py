@@ -1,0 +1,140 @@
+"""One model pass for a step (SPEC §8): the only caller of `K3ForCausalLM.forward_groups`, eager or compiled.
+
+A `StepPlan` becomes groups of one `forward_groups` call: each prefill piece (with the logits of every position
+when its request wants prompt log-probabilities; the prompt's embeddings with its images encoded in, for an image
+prompt), each speculating request's ``[pending, d_1 … d_γ]`` (every position's logits and a KDA `Replay`), and
+the other decoding requests as one group (states stacked with `DecoderState.stack`, MLA caches left-padded and
+masked). A row's result does not depend on its batch neighbours (up to float reduction order), so greedy output is
+batch-invariant. With a `CompiledModel` the decode group and plain prefill pieces run on its graphs and the rest
+eagerly, together. A drafter that reads the target gets each group's features at the tokens it consumed.
+
+The pass leaves every request untouched: it returns a `Forward` (logits and next states), so a failed pass can be
+retried request by request. The stacked decode state is kept for the next step while the decoding requests, and
+the states they continue from, are the very ones it was made from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from k3.model.compiled import CompiledModel
+from k3.model.lm import K3ForCausalLM
+from k3.model.state import DecoderState
+from k3.serve.engine.drafting import Draft, Speculator
+from k3.serve.engine.images import prompt_embeddings
+from k3.serve.engine.request import Request
+from k3.serve.engine.scheduler import StepPlan
+
+__all__ = ["Forward", "Runner"]
+
+
+@dataclass
+class Forward:
+    """A pass's results: per prefill piece ``(request, tokens, logits [T, V], state)``; per speculating request
+    ``(request, draft, logits [γ+1, V], state, features)``; the decoding requests with their logits ``[B, V]``
+    and next states."""
+
+    pieces: list[tuple[Request, list[int], Tensor, DecoderState]] = field(default_factory=list)
+    verifying: list[tuple[Request, Draft, Tensor, DecoderState, Tensor | None]] = field(default_factory=list)
+    decoding: list[Request] = field(default_factory=list)
+    logits: Tensor | None = None
+    states: list[DecoderState] = field(default_factory=list)
+
+
+class Runner:
+    """Runs `StepPlan`s on ``model`` (through ``compiled`` where it has graphs)."""
+
+    def __init__(self, model: K3ForCausalLM, speculator: Speculator, compiled: CompiledModel | None = None) -> None:
+        self.model, self.speculator, self.compiled = model, speculator, compiled
+        self._batch: tuple[list[Request], list[DecoderState], DecoderState] | None = None  # rows, their states, stack
+
+    def run(self, plan: StepPlan) -> Forward:
+        """The pass for ``plan`` (module docstring); on failure the stacked decode state is dropped."""
+        try:
+            return self._run(plan)
+        except Exception:
+            self._batch = None
+            raise
+
+    def forget(self, request: Request) -> None:
+        """``request`` ended: the stacked decode state held its row too, so it is freed now."""
+        if self._batch is not None and any(r is request for r in self._batch[0]):
+            self._batch = None
+
+    def _run(self, plan: StepPlan) -> Forward:
+        drafts = self.speculator.propose(plan.decoding)
+        verifying = [(r, d) for r, d in drafts.items()]
+        decoding = [r for r in plan.decoding if r not in drafts]
+        self._encode_images([request for request, _ in plan.pieces])
+        groups = [(torch.tensor([piece]) if r.embeds is None else r.embeds[r.prefilled:r.prefilled + len(piece)][None],
+                   r.state) for r, piece in plan.pieces]
+        groups += [(torch.tensor([[r.pending, *d.tokens]]), r.state) for r, d in verifying]
+        full = [r.prompt_logprobs is not None for r, _ in plan.pieces] + [True] * len(verifying)
+        replay = [False] * len(plan.pieces) + [True] * len(verifying)
+        consumed = [piece for _, piece in plan.pieces] + [[r.pending, *d.tokens] for r, d in verifying]
+        if decoding:
+            groups.append((torch.tensor([[r.pending] for r in decoding]), self._stacked(decoding)))
+            full.append(False)
+            replay.append(False)
+            consumed += [[r.pending] for r in decoding]
+        results, features = self._call(groups, full, replay, consumed)
+        features = features or [None] * len(consumed)
+        forward = Forward(decoding=decoding)
+        for (request, piece), (logits, state), f in zip(plan.pieces, results, features):
+            self.speculator.observe(request, piece, f)
+            forward.pieces.append((request, piece, logits, state))
+        n = len(plan.pieces)
+        for (request, draft), (logits, state), f in zip(verifying, results[n:], features[n:]):
+            forward.verifying.append((request, draft, logits, state, f))
+        if decoding:
+            forward.logits, stacked = results[-1]
+            forward.states = stacked.unstack()
+            self._batch = (decoding, forward.states, stacked)
+            for request, f in zip(decoding, features[-len(decoding):]):
+                self.speculator.observe(request, [request.pending], f)
+        return forward
+
+    def _stacked(self, decoding: list[Request]) -> DecoderState:
+        """The decode group's stacked state: last step's, while its rows are the same requests continuing from the
+        states it returned (an ended request's id may come back on a new request: identity, not ids, decides)."""
+        batch = self._batch
+        if batch is None or len(batch[0]) != len(decoding) or not all(
+                r is old and r.state is state for r, old, state in zip(decoding, batch[0], batch[1])):
+            states = [r.state for r in decoding]
+            self._batch = batch = (decoding, states, DecoderState.stack(states))
+        return batch[2]
+
+    def _encode_images(self, prefilling: list[Request]) -> None:
+        """Encode the images of requests starting their prefill (the choices of one request share the work)."""
+        done: dict[tuple, Tensor] = {}
+        for request in prefilling:
+            if request.images and request.embeds is None:
+                key = (request.image_key, tuple(request.prompt))
+                if key not in done:
+                    done[key] = prompt_embeddings(self.model, request.prompt, request.images)
+                request.embeds = done[key]
+
+    def _call(self, groups: list, full: list[bool], replay: list[bool],
+              consumed: list[list[int]]) -> tuple[list, list[Tensor] | None]:
+        """`forward_groups`; for a drafter that reads the target, also each group's features ``[T, layers, d]``
+        at its consumed tokens (a decode group's rows one by one)."""
+        layers = self.speculator.feature_layers
+        if self.compiled is not None and not layers:
+            return self._call_compiled(groups, full, replay), None
+        if not layers:
+            return self.model.forward_groups(groups, full=full, replay=replay), None
+        with self.model.capture(list(layers)) as captured:
+            results = self.model.forward_groups(groups, full=full, replay=replay)
+            features = torch.stack([layer.captured[0] for layer in captured], dim=-2)  # [N, layers, d]
+        return results, list(features.split([len(c) for c in consumed]))
+
+    def _call_compiled(self, groups: list, full: list[bool], replay: list[bool]) -> list:
+        """`forward_groups` with the decode group and the prefill pieces on compiled graphs (each group's result
+        is its own: the engine is batch-invariant); the groups a graph does not cover run eagerly, together."""
+        eager = [g for g, (ids, _) in enumerate(groups) if full[g] or replay[g] or ids.is_floating_point()]
+        results = dict(zip(eager, self.model.forward_groups([groups[g] for g in eager], full=[full[g] for g in eager],
+                                                            replay=[replay[g] for g in eager]) if eager else []))
+        return [results[g] if g in results else self.compiled(*group) for g, group in enumerate(groups)]

@@ -1,0 +1,136 @@
+"""From a pass's logits to each request's tokens (SPEC §8): sampling, grammar masks and draft verification.
+
+`Sampler.sample` turns a `Forward` into one `Sampled` per request in it, in order: prefill pieces (the prompt's
+log-probabilities where asked for, and the first token once the prompt is read), verified speculative runs, decode
+rows. Sampling is per request (`k3.serve.engine.sampling`: penalties, bias, ``min_tokens``, the grammar, then
+greedy or a seeded sample), so a request's tokens do not depend on its batch neighbours. A request's grammar applies
+once its output reaches the answer (channel "text" or "content"), so a thinking model reasons freely first.
+Logits past the tokenizer's vocabulary (a padded vocabulary) are never chosen; non-finite logits, or any error
+while sampling one request, end that request alone (`Sampled.error`).
+
+`verify` is the lossless rule of speculative decoding (`k3.serve.engine.speculative`) applied to the target's
+*processed* distributions at ``[pending, d_1 … d_γ]`` (exactly as plain sampling would use them): the accepted
+drafts, then the corrected or bonus token, and the target state after ``pending`` and the accepted drafts
+(``state.accept(n + 1)``, a KDA replay from the recorded inputs). Greedy requests accept while the target's argmax
+agrees, so their tokens are exactly those of plain decoding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from k3.model.state import DecoderState
+from k3.serve.engine.drafting import Draft
+from k3.serve.engine.request import Request
+from k3.serve.engine.runner import Forward
+from k3.serve.engine.sampling import TokenLogprob, choose, process, score_prompt
+from k3.serve.engine.speculative import probabilities, verify, verify_greedy
+
+__all__ = ["Sampled", "Sampler"]
+
+#: Channels whose text a request's grammar constrains (plain completions, and the chat answer).
+ANSWER_CHANNELS = ("text", "content")
+
+
+@dataclass
+class Sampled:
+    """What a pass gave one request: the state it continues from, the prompt tokens it ``read``, the ``tokens`` to
+    emit in order (none while the prompt is being read, several for a verified run) with each token's
+    log-probabilities over the vocabulary, the prompt tokens' log-probabilities it scored; or the ``error`` that
+    ends the request. ``verified`` = (pending, drafted, features) for a speculative run."""
+
+    request: Request
+    state: DecoderState | None = None
+    read: int = 0
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[Tensor] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    verified: tuple[int, int, Tensor | None] | None = None
+    error: Exception | None = None
+
+
+class Sampler:
+    """Samples for one tokenizer's vocabulary (``vocab_size`` ids; the model's may be larger)."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+
+    def sample(self, forward: Forward) -> list[Sampled]:
+        out = [self._piece(request, piece, logits, state) for request, piece, logits, state in forward.pieces]
+        out += [self._run(request, draft, logits, state, f) for request, draft, logits, state, f in forward.verifying]
+        if forward.decoding:
+            out += [Sampled(request, state, tokens=s.tokens, logprobs=s.logprobs, error=s.error) for request, state, s
+                    in zip(forward.decoding, forward.states, self.rows(forward.decoding, forward.logits))]
+        return out
+
+    def rows(self, requests: list[Request], logits: Tensor) -> list[Sampled]:
+        """Each request's next token from its row of ``logits`` ``[B, V]``."""
+        logits = logits.float()
+        if logits.shape[-1] > self.vocab_size:  # a padded vocabulary: ids the tokenizer cannot decode
+            logits[:, self.vocab_size:] = float("-inf")
+        finite = torch.isfinite(logits[:, : self.vocab_size]).all(-1).tolist()
+        logprobs = logits.log_softmax(-1)
+        greedy = logits.argmax(-1).tolist()
+        out = []
+        for b, request in enumerate(requests):
+            try:
+                if not finite[b]:
+                    raise FloatingPointError("the model produced non-finite logits for this request")
+                out.append(Sampled(request, tokens=[self._choose(request, logits[b], greedy[b])],
+                                   logprobs=[logprobs[b]]))
+            except Exception as err:
+                out.append(Sampled(request, error=err))
+        return out
+
+    def verify(self, request: Request, logits: Tensor, state: DecoderState,
+               draft: Draft) -> tuple[list[int], DecoderState, list[Tensor]]:
+        """From the target's logits ``[γ+1, V]`` at ``[pending, d_1 … d_γ]``: the tokens to emit, the target state
+        after ``pending`` and the accepted drafts, and each emitted token's raw log-probabilities."""
+        params, prompt, output = request.params, request.prompt, request.output_ids
+        logits = logits.float()
+        gamma = len(draft.tokens)
+        rows = [process(logits[i], params, prompt, output + draft.tokens[:i]) for i in range(gamma + 1)]
+        if params.temperature == 0:
+            n, token = verify_greedy([int(r.argmax()) for r in rows], draft.tokens)
+        else:
+            n, token = verify(torch.stack([probabilities(r, params) for r in rows]), draft.q, draft.tokens,
+                              request.generator)
+        raw = logits.log_softmax(-1)
+        return draft.tokens[:n] + [token], state.accept(n + 1), [raw[i] for i in range(n + 1)]
+
+    def _piece(self, request: Request, piece: list[int], logits: Tensor, state: DecoderState) -> Sampled:
+        """A prefill piece: its prompt log-probabilities, and the first token when it completes the prompt."""
+        try:
+            scored = [] if request.prompt_logprobs is None else \
+                score_prompt(request.prompt, logits, request.prefilled, request.params.prompt_logprobs)
+        except Exception as err:
+            return Sampled(request, error=err)
+        done = request.prefilled + len(piece) == len(request.prompt)
+        if not done or request.params.max_tokens == 0:  # max_tokens 0: only the prompt's log-probabilities
+            return Sampled(request, state, len(piece), prompt_logprobs=scored)
+        first = self.rows([request], logits[-1:])[0]
+        return Sampled(request, state, len(piece), first.tokens, first.logprobs, scored, error=first.error)
+
+    def _run(self, request: Request, draft: Draft, logits: Tensor, state: DecoderState,
+             features: Tensor | None) -> Sampled:
+        try:
+            tokens, state, logprobs = self.verify(request, logits, state, draft)
+        except Exception as err:
+            return Sampled(request, error=err)
+        return Sampled(request, state, tokens=tokens, logprobs=logprobs,
+                       verified=(request.pending, len(draft.tokens), features))
+
+    @staticmethod
+    def _choose(request: Request, row: Tensor, greedy: int) -> int:
+        """The request's next token (its grammar applies once its output reaches the answer)."""
+        p = request.params
+        constraint = request.constraint if request.processor.channel in ANSWER_CHANNELS else None
+        if constraint is None and not p.processed and p.temperature == 0:
+            return greedy
+        token = choose(process(row, p, request.prompt, request.output_ids, constraint), p, request.generator)
+        if constraint is not None:
+            constraint.accept(token)
+        return token
