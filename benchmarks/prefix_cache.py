@@ -20,6 +20,7 @@ import random
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -30,8 +31,8 @@ from harness import machine, table, write_results  # noqa: E402
 from k3 import K3ForCausalLM  # noqa: E402
 from k3.config import preset  # noqa: E402
 from k3.chat import native as chat  # noqa: E402
-from k3.serve.engine.cache import PrefixCache  # noqa: E402
 from k3.serve.engine import Engine, SamplingParams  # noqa: E402
+from k3.serve.options import EngineOptions  # noqa: E402
 from k3.tokenization.bpe import Tokenizer  # noqa: E402
 
 TURNS = 6
@@ -108,11 +109,12 @@ def main() -> None:
     tok = Tokenizer.train(texts, config.vocab_size)
     rows, caches = [], {}
     for name in ("chat", "chat-long", "agent"):
-        cache = PrefixCache.for_model(model, tok, 2**30, block_tokens=64, checkpoint_every=8)
-        off = run(name, Engine(model, tok, max_model_len=config.context_length), tok)
-        on = run(name, Engine(model, tok, max_model_len=config.context_length, prefix_cache=cache), tok)
+        options = EngineOptions(max_model_len=config.context_length)  # k3 serve's cache: 1 GiB, 64-token blocks ...
+        off = run(name, replace(options, prefix_cache=False).build(model, tok), tok)
+        engine = options.build(model, tok)
+        on = run(name, engine, tok)
         rows += summarise(name, off, on)
-        caches[name] = cache
+        caches[name] = engine.prefix_cache
     print(table(rows, [("workload", "workload"), ("turn", "turn"), ("prompt_tokens", "prompt tokens"),
                        ("reused_pct", "reused %"), ("ttft_p50_off_ms", "TTFT p50 off ms"),
                        ("ttft_p50_on_ms", "TTFT p50 on ms"), ("speedup_p50", "p50 speed-up"),

@@ -188,9 +188,11 @@ def engine_only(model: K3ForCausalLM, tokenizer: Tokenizer, prompts: list[list[i
     """The same requests through the `Engine` in this process, no HTTP: what the server adds on top. ``compiled``:
     ``Engine(compile=True)`` (``k3 serve --compile``), after one untimed pass of the same requests that compiles
     the buckets they use (its time is reported as ``compile_s``)."""
-    from k3.serve.engine import Engine, SamplingParams
+    from k3.serve.engine import SamplingParams
+    from k3.serve.options import EngineOptions
 
-    engine = Engine(model, tokenizer, max_batch=32, prefill_chunk=THROUGHPUT_CHUNK, compile=compiled)
+    # the servers' engine (k3 serve --prefill-chunk 256 [--compile]) without its prefix cache
+    engine = EngineOptions(prefill_chunk=THROUGHPUT_CHUNK, compile=compiled, prefix_cache=False).build(model, tokenizer)
     params = SamplingParams(max_tokens=max_tokens, temperature=0)
 
     def run() -> tuple[int, float]:

@@ -19,6 +19,7 @@ import argparse
 import random
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -27,9 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import machine, table, write_results  # noqa: E402
 
 from k3.model.checkpoint import load_model  # noqa: E402
-from k3.model.draft import EagleDraft  # noqa: E402
 from k3.serve.engine.drafting import EagleDrafter  # noqa: E402
 from k3.serve.engine import Engine, SamplingParams  # noqa: E402
+from k3.serve.options import EngineOptions  # noqa: E402
 
 
 def prompts(tokenizer, n: int, length: int = 64) -> list[list[int]]:
@@ -81,15 +82,16 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(2)
     target, tokenizer = load_model(Path(args.target))
-    draft = EagleDraft.load(args.draft, target)
+    plain_options = EngineOptions(max_batch=8, prefix_cache=False)  # k3 serve --max-batch 8 --no-prefix-cache
+    spec_options = replace(plain_options, draft=args.draft, num_draft_tokens=args.gamma)  # ... --draft DIR
     rows = []
     for batch_size in (1, 8):
         batch = prompts(tokenizer, batch_size)
         for temperature in (0.0, 0.8):
             params = SamplingParams(max_tokens=args.tokens, temperature=temperature, seed=0)
-            plain_s, plain = decode(Engine(target, tokenizer, max_batch=8), batch, params)
-            spec_engine = Engine(target, tokenizer, max_batch=8, drafter=EagleDrafter(draft),
-                                 num_draft_tokens=args.gamma)
+            plain_s, plain = decode(plain_options.build(target, tokenizer), batch, params)
+            spec_engine = spec_options.build(target, tokenizer)
+            assert isinstance(spec_engine.drafter, EagleDrafter), f"{args.draft} is not an EAGLE-3 draft"
             spec_s, spec = decode(spec_engine, batch, params)
             if temperature == 0:
                 assert spec == plain, "speculative greedy decoding differs from plain decoding"

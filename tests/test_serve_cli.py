@@ -168,11 +168,12 @@ class NoTraining(importlib.abc.MetaPathFinder):
             raise ImportError(f"{name} is blocked: serving must not need the training package")
 
 sys.meta_path.insert(0, NoTraining())
-from k3.cli import _load
+import k3.cli  # the command's modules import no training module either
 from k3.serve.api.app import BackgroundServer, create_app
 from k3.serve.engine import Engine
+from k3.serve.options import load
 
-model, tokenizer = _load(sys.argv[1])
+model, tokenizer = load(sys.argv[1])
 engine = Engine(model, tokenizer).start()
 with BackgroundServer(create_app(engine, "m")) as server:
     body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}).encode()

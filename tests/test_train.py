@@ -300,7 +300,7 @@ def test_paper_curriculum_is_the_papers_shape():
 def test_default_curriculum_is_the_paper_shape_scaled_to_the_presets():
     """TrainConfig's and `k3 train`'s default: the paper's four stages from 32 tokens (32 → 256 → 1024 → 4096,
     fitting the tiny preset's 4096 context), written out as the explicit list."""
-    from k3.cli import _curriculum
+    from k3.cli.train import _curriculum
     from k3.train.loop import TrainConfig
 
     expected = [[0.0, 32], [0.5, 256], [0.9, 1024], [0.97, 4096]]

@@ -1,4 +1,4 @@
-"""``python -m k3.cli`` (what `k3 route --replicas` starts for each replica): the ``k3`` command."""
+"""``python -m k3.cli`` (what `k3 serve --replicas` starts for each replica): the ``k3`` command."""
 
 import sys
 

@@ -5,10 +5,10 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
 from typing import Any
 
 from k3.rl.domains import DOMAINS, EFFORTS
+from k3.serve.options import positive
 
 
 def _chats(args: argparse.Namespace) -> int:
@@ -70,7 +70,7 @@ def _distill(args: argparse.Namespace) -> int:
     return 0
 
 
-def _common(p: argparse.ArgumentParser, positive: Callable, steps: int) -> None:
+def _common(p: argparse.ArgumentParser, steps: int) -> None:
     p.add_argument("--out", required=True, help="run directory: checkpoints, metrics.jsonl, curves.png")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its newest checkpoint")
     p.add_argument("--steps", type=positive(int), default=steps, help="optimiser steps / iterations "
@@ -82,7 +82,7 @@ def _common(p: argparse.ArgumentParser, positive: Callable, steps: int) -> None:
     p.add_argument("--no-progress", action="store_true")
 
 
-def _on_policy(p: argparse.ArgumentParser, positive: Callable, prompts: int) -> None:
+def _on_policy(p: argparse.ArgumentParser, prompts: int) -> None:
     p.add_argument("--prompts", type=positive(int), default=prompts, help="N: prompt groups in flight "
                    "(default %(default)s)")
     p.add_argument("--lam", type=positive(float), default=None, help="partial rollouts: pause an iteration once "
@@ -93,8 +93,8 @@ def _on_policy(p: argparse.ArgumentParser, positive: Callable, prompts: int) -> 
     p.add_argument("--eval-tasks", type=positive(int), default=8, help="held-out tasks per domain")
 
 
-def add_commands(commands: argparse._SubParsersAction, positive: Callable) -> None:
-    """Register ``chats``, ``sft``, ``rl`` and ``distill`` (``positive``: the CLI's positive-number type)."""
+def add_commands(commands: argparse._SubParsersAction) -> None:
+    """Register ``chats``, ``sft``, ``rl`` and ``distill``."""
     ch = commands.add_parser("chats", help="generate SFT chats of the toy domains (math, code, agentic) as JSONL")
     ch.add_argument("--out", required=True, help="the .jsonl file to write")
     ch.add_argument("--domains", nargs="+", choices=DOMAINS, default=list(DOMAINS))
@@ -108,7 +108,7 @@ def add_commands(commands: argparse._SubParsersAction, positive: Callable) -> No
     sft = commands.add_parser("sft", help="supervised fine-tuning on K3 chats (loss on assistant channels only)")
     sft.add_argument("--ckpt", required=True, help="the base checkpoint or run directory")
     sft.add_argument("--data", required=True, help="chats.jsonl (k3 chats)")
-    _common(sft, positive, 200)
+    _common(sft, 200)
     sft.add_argument("--batch-size", type=positive(int), default=8)
     sft.add_argument("--lr", type=positive(float), default=1e-3)
     sft.add_argument("--optimizer", choices=("muon", "adamw"), default="muon")
@@ -118,8 +118,8 @@ def add_commands(commands: argparse._SubParsersAction, positive: Callable) -> No
     rl = commands.add_parser("rl", help="RL with group-normalised advantages, token budgets per effort, the "
                              "verbosity rule and partial rollouts (a teacher: one domain, one effort)")
     rl.add_argument("--ckpt", required=True, help="the policy to start from (an SFT run)")
-    _common(rl, positive, 30)
-    _on_policy(rl, positive, 8)
+    _common(rl, 30)
+    _on_policy(rl, 8)
     rl.add_argument("--domains", nargs="+", choices=DOMAINS, default=list(DOMAINS))
     rl.add_argument("--effort", choices=(*EFFORTS, "anneal"), default="anneal",
                     help="the prompts' effort, or anneal max -> high -> low (default %(default)s)")
@@ -132,8 +132,8 @@ def add_commands(commands: argparse._SubParsersAction, positive: Callable) -> No
                              "teachers")
     di.add_argument("--ckpt", required=True, help="the student to start from (an SFT run)")
     di.add_argument("--teachers", required=True, help="a directory with <domain>-<effort> teacher runs")
-    _common(di, positive, 30)
-    _on_policy(di, positive, 18)
+    _common(di, 30)
+    _on_policy(di, 18)
     di.add_argument("--domains", nargs="+", choices=DOMAINS, default=list(DOMAINS))
     di.add_argument("--efforts", nargs="+", choices=EFFORTS, default=list(EFFORTS))
     di.add_argument("--reward-clip", type=positive(float), default=5.0, help="R of the token reward clip")

@@ -1,0 +1,156 @@
+"""`EngineOptions`: the engine-shaping flags of ``k3 serve``, ``k3 chat`` and ``k3 generate`` and the `Engine` they
+build (as vLLM's ``EngineArgs``). One dataclass holds them; `EngineOptions.add_arguments` registers the flags,
+`EngineOptions.from_args` reads them back and `EngineOptions.build` makes the engine, its prefix cache and drafter.
+
+The commands accept different sets: ``k3 serve`` and ``k3 chat`` the engine's flags (`add_arguments`); ``k3 serve``
+also ``--threads`` and ``--max-queue`` (`add_threads_argument`, `add_queue_argument`, registered where its help has
+always listed them); ``k3 generate`` only ``--compile``, with its own help (`add_generate_arguments`).
+
+This is the engine's face: it never imports the HTTP layers (`k3.serve.api`, `k3.serve.asgi`) or a web framework.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from k3.serve.engine import Engine
+
+
+def positive(kind: type, zero: bool = False) -> Callable[[str], int | float]:
+    """An argparse type: a positive (or, with ``zero``, non-negative) int or float; errors name the flag."""
+    def parse(text: str) -> int | float:
+        value = kind(text)
+        if not (value >= 0 if zero else value > 0) or value != value or value == float("inf"):
+            raise argparse.ArgumentTypeError(f"expected a {'non-negative' if zero else 'positive'} number, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def load(path: str) -> tuple[Any, Any]:
+    """(model, tokenizer) of a released Kimi K3 directory (`K3ForCausalLM.from_pretrained`, its tiktoken
+    tokenizer) or of a kimi-k3 checkpoint / run directory."""
+    from k3.model.pretrained import is_release_dir
+
+    if is_release_dir(path):
+        from k3.model.lm import K3ForCausalLM
+        from k3.tokenization.kimi import KimiTokenizer
+
+        return K3ForCausalLM.from_pretrained(path), KimiTokenizer.load(path)
+    from k3.model.checkpoint import load_model
+
+    return load_model(Path(path))
+
+
+@dataclass
+class EngineOptions:
+    """What shapes an `Engine` (defaults: the commands' flag defaults). ``max_waiting`` None and ``threads`` None
+    keep the engine's queue (1024) and the command's thread count (``k3 serve``: all cores but one)."""
+
+    max_model_len: int | None = None  # --max-model-len (None: the model's context length)
+    max_batch: int = 32  # --max-batch
+    prefill_chunk: int = 64  # --prefill-chunk
+    max_waiting: int | None = None  # --max-queue (k3 serve)
+    draft: str | None = None  # --draft: an EAGLE-3 draft or a small checkpoint with the target's vocabulary
+    num_draft_tokens: int = 4  # --num-draft-tokens
+    compile: bool = False  # --compile
+    prefix_cache: bool = True  # not --no-prefix-cache
+    prefix_cache_gb: float = 1.0  # --prefix-cache-gb
+    cache_block_tokens: int = 64  # --cache-block-tokens
+    cache_checkpoint_every: int = 8  # --cache-checkpoint-every
+    cache_page_blocks: int = 4  # --cache-page-blocks
+    threads: int | None = None  # --threads (k3 serve)
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        """The engine flags of ``k3 serve`` and ``k3 chat``, the prefix cache's in their own group."""
+        parser.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
+        parser.add_argument("--max-batch", type=int, default=cls.max_batch, help="most requests decoded together")
+        parser.add_argument("--prefill-chunk", type=int, default=cls.prefill_chunk,
+                            help="prompt tokens prefilled per step while other requests decode (their latency vs "
+                                 "the new prompt's time to first token)")
+        parser.add_argument("--draft", help="speculative decoding: an EAGLE-3 draft (k3 train-draft) or a small "
+                            "checkpoint with the same vocabulary")
+        parser.add_argument("--num-draft-tokens", type=positive(int), default=cls.num_draft_tokens,
+                            help="tokens drafted per step with --draft (default %(default)s)")
+        parser.add_argument("--compile", action="store_true", help="decode and prefill-chunk steps through "
+                            "torch.compile'd graphs: decode batches padded to 1, 2, 4 … 32 rows, chunks cut into "
+                            "64/16/4/1-token pieces (one compilation each: k3 serve builds them all before it "
+                            "listens, for batches up to --max-batch; k3 chat on first use)")
+        cache = parser.add_argument_group("prefix cache (README, 'Prefix cache')")
+        cache.add_argument("--prefix-cache-gb", type=positive(float, zero=True), default=cls.prefix_cache_gb,
+                           help="bytes for cached MLA pages and KDA checkpoints, in GiB (default: %(default)s)")
+        cache.add_argument("--no-prefix-cache", action="store_true", help="recompute every prompt")
+        cache.add_argument("--cache-block-tokens", type=positive(int), default=cls.cache_block_tokens,
+                           help="tokens per hash block (the paper's 512; default %(default)s for small models)")
+        cache.add_argument("--cache-checkpoint-every", type=positive(int), default=cls.cache_checkpoint_every,
+                           help="KDA checkpoint every N hash blocks of a long prompt (default %(default)s)")
+        cache.add_argument("--cache-page-blocks", type=positive(int), default=cls.cache_page_blocks,
+                           help="hash blocks per physical MLA page, the unit of allocation (default %(default)s)")
+
+    @staticmethod
+    def add_threads_argument(parser: argparse.ArgumentParser) -> None:
+        """``k3 serve --threads``."""
+        parser.add_argument("--threads", type=int, help="torch intra-op threads (default: all cores but one, which "
+                            "is left to the HTTP server)")
+
+    @staticmethod
+    def add_queue_argument(group: argparse._ArgumentGroup) -> None:
+        """``k3 serve --max-queue`` (in its limits group)."""
+        group.add_argument("--max-queue", type=positive(int),
+                           help="most generations waiting for a batch slot (default 1024; 429 with Retry-After beyond)")
+
+    @staticmethod
+    def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
+        """``k3 generate --compile`` (no engine: `k3.generation.stream` through a `CompiledModel`)."""
+        parser.add_argument("--compile", action="store_true", help="prefill and decode through torch.compile'd "
+                            "graphs (inductor; the prompt in pieces of 64/16/4/1 tokens; ~45 s per new graph, "
+                            "kernels cached on disk)")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> EngineOptions:
+        """The options of parsed flags; one the command does not have keeps its default."""
+        given = vars(args)
+        values = {f.name: given[f.name] for f in fields(cls) if f.name in given}
+        if "no_prefix_cache" in given:
+            values["prefix_cache"] = not given["no_prefix_cache"]
+        if given.get("max_queue") is not None:
+            values["max_waiting"] = given["max_queue"]
+        return cls(**values)
+
+    def build(self, model: Any, tokenizer: Any) -> Engine:
+        """The `Engine` over ``model`` with these options: its prefix cache, drafter and compiled graphs."""
+        from k3.serve.engine import Engine
+        from k3.serve.engine.cache import PrefixCache
+
+        cache = None if not self.prefix_cache else PrefixCache.for_model(
+            model, tokenizer, int(self.prefix_cache_gb * 2**30), self.cache_block_tokens, self.cache_checkpoint_every,
+            self.cache_page_blocks)
+        queue = {} if self.max_waiting is None else {"max_waiting": self.max_waiting}
+        return Engine(model, tokenizer, max_model_len=self.max_model_len, max_batch=self.max_batch,
+                      prefill_chunk=self.prefill_chunk, prefix_cache=cache, drafter=self.drafter(model),
+                      num_draft_tokens=self.num_draft_tokens, compile=self.compile, **queue)
+
+    def drafter(self, target: Any) -> Any:
+        """`--draft DIR`: an EAGLE-3 draft (`k3 train-draft`, a run or checkpoint directory) or a small kimi-k3
+        checkpoint with the target's vocabulary drafts for speculative decoding (None without ``draft``)."""
+        if self.draft is None:
+            return None
+        from k3.model.draft import EagleDraft
+        from k3.serve.engine.drafting import EagleDrafter, ModelDrafter
+
+        path = Path(self.draft)
+        if (path / "draft.json").exists() or (path / "latest").exists() and not (path / "model.safetensors").exists() \
+                and any(path.glob("step-*/draft.json")):
+            return EagleDrafter(EagleDraft.load(path, target))
+        draft, _ = load(self.draft)
+        if draft.config.vocab_size != target.config.vocab_size:
+            raise ValueError(f"--draft {self.draft}: vocabulary {draft.config.vocab_size} differs from the target's "
+                             f"{target.config.vocab_size}")
+        return ModelDrafter(draft)

@@ -1,0 +1,113 @@
+"""`k3.serve.options.EngineOptions`: the engine flags of ``k3 serve``, ``k3 chat`` and ``k3 generate`` parse to the
+options those commands used before it existed, and `EngineOptions.build` makes the engine they made."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+
+import serving
+from k3.cli import serve as serve_commands
+from k3.model.checkpoint import save_model
+from k3.serve.engine import Engine
+from k3.serve.engine.cache import PrefixCache
+from k3.serve.engine.drafting import EagleDrafter, ModelDrafter
+from k3.serve.options import EngineOptions
+
+#: the commands' defaults before `EngineOptions` (`k3.cli` at a5b2f96), field by field
+PREVIOUS_DEFAULTS = {"max_model_len": None, "max_batch": 32, "prefill_chunk": 64, "max_waiting": None, "draft": None,
+                     "num_draft_tokens": 4, "compile": False, "prefix_cache": True, "prefix_cache_gb": 1.0,
+                     "cache_block_tokens": 64, "cache_checkpoint_every": 8, "cache_page_blocks": 4, "threads": None}
+FLAGS = ["--max-model-len", "512", "--max-batch", "3", "--prefill-chunk", "16", "--draft", "d", "--num-draft-tokens",
+         "2", "--compile", "--prefix-cache-gb", "0.5", "--cache-block-tokens", "16", "--cache-checkpoint-every", "2",
+         "--cache-page-blocks", "2"]
+CHOSEN = {"max_model_len": 512, "max_batch": 3, "prefill_chunk": 16, "draft": "d", "num_draft_tokens": 2,
+          "compile": True, "prefix_cache_gb": 0.5, "cache_block_tokens": 16, "cache_checkpoint_every": 2,
+          "cache_page_blocks": 2}
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    """``argv`` through the serving commands' real parsers (`k3.cli.serve.add_commands`)."""
+    parser = argparse.ArgumentParser(prog="k3")
+    serve_commands.add_commands(parser.add_subparsers(dest="command", required=True))
+    return parser.parse_args(argv)
+
+
+@pytest.mark.parametrize("command", ["serve", "chat", "generate"])
+def test_defaults_are_the_commands_previous_defaults(command):
+    assert dataclasses.asdict(EngineOptions()) == PREVIOUS_DEFAULTS
+    assert EngineOptions.from_args(parse(command, "--ckpt", "c")) == EngineOptions()
+
+
+@pytest.mark.parametrize("command", ["serve", "chat"])
+def test_engine_flags_parse_to_the_options(command):
+    options = EngineOptions.from_args(parse(command, "--ckpt", "c", *FLAGS))
+    assert options == EngineOptions(**CHOSEN)
+    assert not EngineOptions.from_args(parse(command, "--ckpt", "c", "--no-prefix-cache")).prefix_cache
+
+
+def test_the_commands_keep_their_own_flag_sets(capsys):
+    assert EngineOptions.from_args(parse("serve", "--ckpt", "c", "--threads", "3", "--max-queue", "7")) == \
+        EngineOptions(threads=3, max_waiting=7)
+    assert EngineOptions.from_args(parse("generate", "--ckpt", "c", "--compile")) == EngineOptions(compile=True)
+    for argv in (["chat", "--threads", "3"], ["chat", "--max-queue", "7"], ["generate", "--max-batch", "3"]):
+        with pytest.raises(SystemExit):
+            parse(*argv, "--ckpt", "c")
+    assert "unrecognized arguments" in capsys.readouterr().err
+    for flag in ("--num-draft-tokens", "--cache-block-tokens", "--max-queue"):
+        with pytest.raises(SystemExit):
+            parse("serve", "--ckpt", "c", flag, "0")
+        assert f"argument {flag}: expected a positive number, got 0" in capsys.readouterr().err
+
+
+def previous_engine(args: argparse.Namespace, model, tokenizer) -> Engine:
+    """How ``k3 serve`` built its engine before `EngineOptions` (`k3.cli._engine` at a5b2f96; no ``--draft``)."""
+    cache = None if args.no_prefix_cache else PrefixCache.for_model(
+        model, tokenizer, int(args.prefix_cache_gb * 2**30), args.cache_block_tokens, args.cache_checkpoint_every,
+        args.cache_page_blocks)
+    return Engine(model, tokenizer, max_model_len=args.max_model_len, max_batch=args.max_batch,
+                  prefill_chunk=args.prefill_chunk, prefix_cache=cache, num_draft_tokens=args.num_draft_tokens,
+                  compile=args.compile, **({"max_waiting": args.max_queue} if args.max_queue else {}))
+
+
+def settings(engine: Engine) -> dict:
+    cache = engine.prefix_cache
+    return {"max_model_len": engine.max_model_len, "max_batch": engine.max_batch,
+            "prefill_chunk": engine.prefill_chunk, "max_waiting": engine.max_waiting,
+            "num_draft_tokens": engine.num_draft_tokens, "compiled": engine.compiled is not None,
+            "drafter": type(engine.drafter).__name__,
+            "cache": None if cache is None else (cache.budget, cache.block, cache.checkpoint_every, cache.page_blocks,
+                                                 cache.namespace)}
+
+
+@pytest.mark.parametrize("flags", [[], [f for f in FLAGS if f not in ("--draft", "d")] + ["--max-queue", "5"],
+                                   ["--no-prefix-cache", "--max-batch", "2"]])
+def test_build_gives_the_engine_the_command_built_before(flags):
+    model, tokenizer = serving.model(), serving.tokenizer()
+    args = parse("serve", "--ckpt", "c", *flags)
+    engine = EngineOptions.from_args(args).build(model, tokenizer)
+    assert settings(engine) == settings(previous_engine(args, model, tokenizer))
+
+
+def test_build_with_chosen_options():
+    options = EngineOptions(max_model_len=100, max_batch=3, prefill_chunk=16, max_waiting=5, num_draft_tokens=2,
+                            compile=True, prefix_cache_gb=0.25, cache_block_tokens=16, cache_checkpoint_every=2,
+                            cache_page_blocks=2)
+    engine = options.build(serving.model(), serving.tokenizer())
+    assert settings(engine) == {"max_model_len": 100, "max_batch": 3, "prefill_chunk": 16, "max_waiting": 5,
+                                "num_draft_tokens": 2, "compiled": True, "drafter": "NoneType",
+                                "cache": (2**28, 16, 2, 2, engine.prefix_cache.namespace)}
+    assert dataclasses.replace(options, prefix_cache=False).build(serving.model(), serving.tokenizer()).prefix_cache \
+        is None
+
+
+def test_build_loads_the_draft(tmp_path):
+    from k3.model.draft import DraftConfig, EagleDraft
+
+    model, tokenizer = serving.model(), serving.tokenizer()
+    small = save_model(tmp_path / "draft", serving.model(seed=1), tokenizer)
+    eagle = EagleDraft(model, DraftConfig(layer_kind="mla")).save(tmp_path / "eagle")
+    assert isinstance(EngineOptions(draft=str(small)).build(model, tokenizer).drafter, ModelDrafter)
+    assert isinstance(EngineOptions(draft=str(eagle)).build(model, tokenizer).drafter, EagleDrafter)
