@@ -102,6 +102,18 @@ class Engine:
         return self.scheduler.max_batch
 
     @property
+    def prefill_chunk(self) -> int:
+        return self.scheduler.prefill_chunk
+
+    @property
+    def max_waiting(self) -> int:
+        return self.scheduler.max_waiting
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return self.speculator.gamma
+
+    @property
     def prefix_cache(self) -> PrefixCache | None:
         return self.scheduler.prefix_cache
 
