@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from k3.files import atomic_write, write_text
 from k3.model import checkpoint as model_ckpt
 from k3.train import checkpoint as train_ckpt
 
@@ -60,15 +61,18 @@ class Metrics:
     def start(self, resumed_step: int | None) -> None:
         """An empty file for a fresh run; on resume, only the lines up to the checkpoint's step are kept."""
         if resumed_step is None:
-            self.path.write_text("")
+            write_text(self.path, "")
             return
         lines = self.path.read_text().splitlines() if self.path.exists() else []
         kept = [line for line in lines if line.strip() and _logged_step(line) <= resumed_step]
-        self.path.write_text("".join(line + "\n" for line in kept))
+        write_text(self.path, "".join(line + "\n" for line in kept))
 
     def log(self, record: dict[str, Any]) -> None:
-        with model_ckpt.writing(self.path) as path, path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        try:
+            with self.path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+        except OSError as err:
+            raise OSError(f"cannot write {self.path}: {err}") from err
 
     def rows(self) -> list[dict[str, Any]]:
         return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
@@ -91,7 +95,6 @@ def plot(metrics: Metrics, png: Path, panels: Sequence[tuple[str, Sequence[str]]
         ax.set(title=title, xlabel="step")
         ax.legend(fontsize=8)
     fig.tight_layout()
-    tmp = png.with_name(png.name + ".tmp.png")
-    fig.savefig(tmp, dpi=100)
+    with atomic_write(png) as tmp:
+        fig.savefig(tmp, format="png", dpi=100)
     plt.close(fig)
-    tmp.replace(png)

@@ -28,9 +28,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from k3.config import K3Config
+from k3.files import atomic_write, write_text
 from k3.model import checkpoint as model_checkpoint
-from k3.model.checkpoint import (LATEST, MODEL_FILES, atomic_directory, checkpoints, verified, write_model, write_text,
-                                 writing)
+from k3.model.checkpoint import LATEST, MODEL_FILES, atomic_directory, checkpoints, verified, write_model
 from k3.train import state_codec
 
 STATE_TENSORS, STATE_JSON, LEGACY_STATE = "state.safetensors", "state.json", "state.pt"
@@ -40,10 +40,9 @@ STATE_FORMAT, STATE_VERSION = "k3-train-state", 1
 def write_state(directory: Path, state: dict[str, Any]) -> None:
     """``state.safetensors`` (every tensor of ``state``) and ``state.json`` (the rest; see `state_codec`)."""
     data, tensors = state_codec.encode(state)
-    with writing(directory / STATE_TENSORS) as path:
+    with atomic_write(directory / STATE_TENSORS) as path:
         save_file(tensors, str(path))
-    with writing(directory / STATE_JSON) as path:
-        path.write_text(json.dumps({"format": STATE_FORMAT, "version": STATE_VERSION, "state": data}))
+    write_text(directory / STATE_JSON, json.dumps({"format": STATE_FORMAT, "version": STATE_VERSION, "state": data}))
 
 
 def save_checkpoint(out: Path, step: int, model: torch.nn.Module, config: K3Config, train: dict[str, Any],
@@ -61,9 +60,8 @@ def save_checkpoint(out: Path, step: int, model: torch.nn.Module, config: K3Conf
 def write_run_files(directory: Path, train: dict[str, Any], tokenizer_dir: Path, state: dict[str, Any]) -> None:
     """What a training checkpoint holds beside the model's files: ``train.json``, ``tokenizer.json`` (copied from
     ``tokenizer_dir``) and the training state."""
-    with writing(directory / "train.json") as path:
-        path.write_text(json.dumps(train, indent=2))
-    with writing(directory / "tokenizer.json") as path:
+    write_text(directory / "train.json", json.dumps(train, indent=2))
+    with atomic_write(directory / "tokenizer.json") as path:
         shutil.copyfile(tokenizer_dir / "tokenizer.json", path)
     write_state(directory, state)
 

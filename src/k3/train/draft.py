@@ -38,8 +38,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from k3.files import write_text
 from k3.model import checkpoint as model_ckpt
-from k3.model.checkpoint import LATEST, atomic_directory, verified, write_text, writing
+from k3.model.checkpoint import LATEST, atomic_directory, verified
 from k3.model.draft import DRAFT_CONFIG, DRAFT_WEIGHTS, DraftConfig, EagleDraft
 from k3.model.lm import K3ForCausalLM
 from k3.train import checkpoint as train_ckpt
@@ -205,7 +206,7 @@ class DraftRun:
         if existing is not None:
             self._restore(existing)
         else:
-            self.metrics_path.write_text("")
+            write_text(self.metrics_path, "")
 
     def _restore(self, path: Path) -> None:
         saved = train_ckpt.read_train(path)
@@ -226,7 +227,7 @@ class DraftRun:
                              f"{err})") from err
         lines = self.metrics_path.read_text().splitlines() if self.metrics_path.exists() else []
         kept = [line for line in lines if line.strip() and _logged_step(line) <= self.step_index]
-        self.metrics_path.write_text("".join(line + "\n" for line in kept))
+        write_text(self.metrics_path, "".join(line + "\n" for line in kept))
 
     def save(self) -> Path:
         """Checkpoint ``step-NNNNNNN`` written atomically; ``latest`` names it; older ones beyond two are pruned."""
@@ -235,8 +236,7 @@ class DraftRun:
                  "loader": self.loader.state_dict(), "rng": torch.get_rng_state(), "step": self.step_index}
         with atomic_directory(final) as tmp:
             self.draft.write(tmp)
-            with writing(tmp / "train.json") as path:
-                path.write_text(json.dumps(asdict(self.config), indent=2))
+            write_text(tmp / "train.json", json.dumps(asdict(self.config), indent=2))
             train_ckpt.write_state(tmp, state)
         write_text(self.out / LATEST, final.name)
         for old in model_ckpt.checkpoints(self.out)[:-2]:
@@ -287,8 +287,11 @@ class DraftRun:
         return (totals / batches).tolist()
 
     def log(self, record: dict[str, Any]) -> None:
-        with writing(self.metrics_path) as path, path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        try:
+            with self.metrics_path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+        except OSError as err:
+            raise OSError(f"cannot write {self.metrics_path}: {err}") from err
 
 
 def _logged_step(line: str) -> int:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from k3.config import K3Config, MXConfig, preset
+from k3.files import atomic_write, write_text
 from k3.model.lm import K3ForCausalLM
 from k3.sizing.memory import check_fits
 from k3.model.sequence.mla import GatedMLA
@@ -224,7 +225,7 @@ class Run:
         if existing is not None:
             self._restore(existing)
         elif self.writes:
-            self.metrics_path.write_text("")
+            write_text(self.metrics_path, "")
 
     def prepare_data(self, resume: bool) -> Path | None:
         """Tokenizer (the checkpoint's, the run's, or trained), tokenized data and loader; returns the checkpoint
@@ -334,7 +335,7 @@ class Run:
                 raise ValueError(f"{self.metrics_path}: line {number} is not a metrics record ({err})") from err
             if step is not None and step <= self.step_index:
                 kept.append(line)
-        self.metrics_path.write_text("".join(line + "\n" for line in kept))
+        write_text(self.metrics_path, "".join(line + "\n" for line in kept))
 
     def train_state(self) -> dict[str, Any]:
         """What a checkpoint keeps beside the model and optimiser tensors: schedulers, loader position, RNG, step."""
@@ -540,7 +541,6 @@ def plot_metrics(metrics: Path, png: Path) -> None:
         axes[2].legend()
     axes[2].set(title="expert load", xlabel="step")
     fig.tight_layout()
-    tmp = png.with_name(png.name + ".tmp.png")
-    fig.savefig(tmp, dpi=100)
+    with atomic_write(png) as tmp:
+        fig.savefig(tmp, format="png", dpi=100)
     plt.close(fig)
-    tmp.replace(png)

@@ -31,8 +31,9 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from k3.config import K3Config
 from k3.dist.fsdp import local_rows, local_shard
+from k3.files import write_text
 from k3.model.checkpoint import (LATEST, MANIFEST, SHARDED, atomic_directory, latest_checkpoint, read_config,
-                                 verified, write_config, write_manifest, write_model, write_text)
+                                 verified, write_config, write_manifest, write_model)
 from k3.model.lm import K3ForCausalLM
 from k3.train import checkpoint as ckpt
 from k3.train.optim import OptimConfig, build_optimizers
