@@ -33,7 +33,7 @@ from harness import RESULTS, machine, table, write_results  # noqa: E402
 
 from k3.config import AttnResConfig, K3Config, preset  # noqa: E402
 from k3.files import atomic_write  # noqa: E402
-from k3.train.loop import TrainConfig, train  # noqa: E402
+from k3.train.pretrain import TrainConfig, train  # noqa: E402
 from k3.train.optim import OptimConfig  # noqa: E402
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -47,14 +48,19 @@ def write_state(directory: Path, state: dict[str, Any]) -> None:
 
 def save_checkpoint(out: Path, step: int, model: torch.nn.Module, config: K3Config, train: dict[str, Any],
                     tokenizer_dir: Path, state: dict[str, Any], keep: int = 2) -> Path:
-    """Write checkpoint ``step`` under ``out`` atomically, point ``latest`` at it, then `prune` to ``keep``."""
+    """Write checkpoint ``step`` under ``out`` atomically, then `publish` it."""
     final = out / f"step-{step:07d}"
     with atomic_directory(final) as tmp:
         write_model(tmp, model, config)
         write_run_files(tmp, train, tokenizer_dir, state)
+    publish(out, final, keep)
+    return final
+
+
+def publish(out: Path, final: Path, keep: int = 2) -> None:
+    """Point ``out/latest`` at the complete checkpoint ``final`` (atomically), then `prune` to ``keep``."""
     write_text(out / LATEST, final.name)
     prune(out, keep, final.name)
-    return final
 
 
 def write_run_files(directory: Path, train: dict[str, Any], tokenizer_dir: Path, state: dict[str, Any]) -> None:
@@ -112,6 +118,16 @@ def read_train(ckpt: Path) -> dict[str, Any]:
         return json.loads(path.read_text())
     except (OSError, ValueError) as err:
         raise ValueError(f"{path}: cannot read the training config ({err})") from err
+
+
+def check_resumable(ckpt: Path, config: dict[str, Any], may_change: Sequence[str]) -> None:
+    """A resumed run's settings ``config`` (as JSON stores them: tuples become lists) must be the checkpoint's
+    ``train.json``, except ``may_change`` (ValueError naming the field)."""
+    saved, requested = read_train(ckpt), json.loads(json.dumps(config))
+    for key, value in requested.items():
+        if key not in may_change and saved.get(key) != value:
+            raise ValueError(f"{ckpt / 'train.json'}: field {key!r} is {saved.get(key)!r} in the checkpoint but "
+                             f"{value!r} was requested")
 
 
 def load_state(ckpt: Path) -> dict[str, Any]:
