@@ -26,7 +26,7 @@ from harness import RESULTS, machine, table, write_results  # noqa: E402
 
 from k3.config import AttnResConfig, K3Config, preset  # noqa: E402
 from k3.serve.engine import Engine, SamplingParams  # noqa: E402
-from k3.train.loop import Run, TrainConfig, train  # noqa: E402
+from k3.train.pretrain import Run, TrainConfig, train  # noqa: E402
 
 PROMPT = "def "
 

@@ -43,7 +43,7 @@ from k3.config import preset  # noqa: E402
 from k3.dist import plan  # noqa: E402
 from k3.dist.comm import CommLedger  # noqa: E402
 from k3.dist.layout import ParallelLayout  # noqa: E402
-from k3.train.loop import Run, TrainConfig  # noqa: E402
+from k3.train.pretrain import Run, TrainConfig  # noqa: E402
 from k3.train.optim import OptimConfig  # noqa: E402
 
 PRESET = "mini"

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from k3.files import write_text
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -96,9 +98,7 @@ def machine() -> dict[str, Any]:
 def write_results(name: str, payload: dict[str, Any]) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(payload, indent=2))
-    os.replace(tmp, path)
+    write_text(path, json.dumps(payload, indent=2))
     return path
 
 

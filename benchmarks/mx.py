@@ -50,7 +50,7 @@ from k3.model.packed import PackedExperts  # noqa: E402
 from k3.model.quantize import pack_model, quantize_checkpoint  # noqa: E402
 from k3.model.width import Experts  # noqa: E402
 from k3.tokenization.bpe import Tokenizer  # noqa: E402
-from k3.train.loop import TrainConfig, train  # noqa: E402
+from k3.train.pretrain import TrainConfig, train  # noqa: E402
 
 MIB = 2**20
 PROMPT = 32

@@ -32,7 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import RESULTS, machine, table, write_results  # noqa: E402
 
 from k3.config import AttnResConfig, K3Config, preset  # noqa: E402
-from k3.train.loop import TrainConfig, train  # noqa: E402
+from k3.files import atomic_write  # noqa: E402
+from k3.train.pretrain import TrainConfig, train  # noqa: E402
 from k3.train.optim import OptimConfig  # noqa: E402
 
 
@@ -165,7 +166,8 @@ def plot(rows: list[dict], png: Path) -> None:
     plt.setp(ax.get_xticklabels(), rotation=20, ha="right")
     fig.tight_layout()
     RESULTS.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=100)
+    with atomic_write(png) as tmp:
+        fig.savefig(tmp, format="png", dpi=100)
     plt.close(fig)
 
 

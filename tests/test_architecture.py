@@ -182,7 +182,7 @@ def test_the_tree_keeps_the_design_rules():
 
 
 @pytest.mark.parametrize("module, source, expected", [
-    ("k3/model/lm.py", "from k3.train import loop\n", "k3.model.lm imports k3.train.loop: upward"),
+    ("k3/model/lm.py", "from k3.train import driver\n", "k3.model.lm imports k3.train.driver: upward"),
     ("k3/config/schema.py", "import k3.config.hf\n", "circle: k3.config.hf <-> k3.config.schema"),
     ("k3/chat/native.py", "from k3.config.schema import K3Config\n", "chat imports only tokenization"),
     ("k3/serve/engine/core.py", "from k3.serve.api import protocol\n", "the engine knows nothing of HTTP"),
@@ -190,16 +190,16 @@ def test_the_tree_keeps_the_design_rules():
     ("k3/serve/engine/runner.py", "from k3.serve.engine.core import Engine\n", "never import it"),
     ("k3/serve/fleet/router.py", "from k3.serve.engine import Engine\n", "the fleet speaks HTTP only"),
     ("k3/serve/asgi/guard.py", "from k3.config import preset\n", "serve.asgi imports nothing from k3"),
-    ("k3/train/loop.py", "from k3.serve.engine import Engine\n", "train and serve never import each other"),
+    ("k3/train/driver.py", "from k3.serve.engine import Engine\n", "train and serve never import each other"),
     ("k3/rl/rollout.py", "from k3.serve.api.protocol import APIError\n", "never the HTTP layers"),
-    ("k3/rl/sft.py", "from k3.train.loop import _train_steps\n", "takes k3.train.loop._train_steps"),
-    ("k3/rl/sft.py", "from k3.train import loop\nloop._train_steps()\n", "takes k3.train.loop._train_steps"),
+    ("k3/rl/sft.py", "from k3.train.driver import _after_step\n", "takes k3.train.driver._after_step"),
+    ("k3/rl/sft.py", "from k3.train import driver\ndriver._after_step()\n", "takes k3.train.driver._after_step"),
 ])
 def test_each_rule_fails_on_a_violating_import(tmp_path, module, source, expected):
     files = {"k3/__init__.py": "", "k3/config/__init__.py": "", "k3/config/schema.py": "",
              "k3/config/hf.py": "from k3.config.schema import K3Config\n", "k3/model/__init__.py": "",
              "k3/model/lm.py": "", "k3/chat/__init__.py": "", "k3/chat/native.py": "", "k3/train/__init__.py": "",
-             "k3/train/loop.py": "_train_steps = 1\n", "k3/rl/__init__.py": "", "k3/rl/rollout.py": "",
+             "k3/train/driver.py": "_after_step = 1\n", "k3/rl/__init__.py": "", "k3/rl/rollout.py": "",
              "k3/rl/sft.py": "", "k3/serve/__init__.py": "", "k3/serve/api/__init__.py": "",
              "k3/serve/api/protocol.py": "", "k3/serve/engine/__init__.py": "", "k3/serve/engine/core.py": "",
              "k3/serve/engine/runner.py": "", "k3/serve/fleet/__init__.py": "", "k3/serve/fleet/router.py": "",

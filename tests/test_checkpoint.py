@@ -19,7 +19,8 @@ from k3.model.lm import K3ForCausalLM
 from k3.train import checkpoint as ckpt
 from k3.model import checkpoint as model_ckpt
 from k3.train import state_codec
-from k3.train.loop import Run, read_metrics, train
+from k3.train.pretrain import Run, train
+from k3.train.rundir import read_metrics
 from k3.tokenization.bpe import Tokenizer
 from training import config
 

@@ -111,7 +111,7 @@ def test_a_changed_thread_count_runs_a_graph_of_its_own():
 
 @pytest.mark.slow
 def test_compiled_decode_of_a_qat_model_equals_eager():
-    from k3.train.loop import QAT_MX
+    from k3.train.pretrain import QAT_MX
 
     config = dataclasses.replace(preset("tiny"), mx=dataclasses.replace(QAT_MX))
     torch.manual_seed(0)

@@ -16,7 +16,7 @@ from k3.config import preset
 from k3.dist import plan
 from k3.dist.comm import CommLedger
 from k3.dist.layout import ParallelLayout
-from k3.train.loop import Run, TrainConfig
+from k3.train.pretrain import Run, TrainConfig
 from gloo import free_port, join
 from training import config as train_config
 

@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from k3.dist.fsdp import local_rows
 from k3.dist.layout import ParallelLayout
-from k3.train.loop import Run, TrainConfig
+from k3.train.pretrain import Run, TrainConfig
 from gloo import free_port, join
 from training import config as train_config
 

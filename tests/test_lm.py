@@ -187,7 +187,7 @@ def test_a_model_too_big_for_memory_is_refused_before_anything_is_allocated():
 
 
 def test_training_must_also_fit_gradients_and_optimizer_state(monkeypatch, tmp_path):
-    from k3.train.loop import Run, TrainConfig
+    from k3.train.pretrain import Run, TrainConfig
 
     weights = sum(p.numel() * p.element_size() for p in K3ForCausalLM(preset("tiny")).parameters())
     monkeypatch.setattr(memory, "available_bytes", lambda device: 2 * weights)

@@ -168,7 +168,8 @@ def test_placeholders_are_never_supervised():
 
 
 def test_multimodal_training_resumes_exactly(tmp_path, corpus):
-    from k3.train.loop import read_metrics, train
+    from k3.train.pretrain import train
+    from k3.train.rundir import read_metrics
     from training import config
 
     changes = dict(multimodal=True, multimodal_batch=4, steps=4, ckpt_every=2, eval_every=4)
@@ -185,7 +186,7 @@ def test_multimodal_training_resumes_exactly(tmp_path, corpus):
 def test_a_tiny_multimodal_model_answers_held_out_colour_questions(tmp_path, corpus, capsys):
     """Trained jointly on text and generated images (~2 minutes on 2 cores), the tiny model names the colour of
     shapes in scenes it never saw, far above chance."""
-    from k3.train.loop import train
+    from k3.train.pretrain import train
     from k3.train.multimodal import COLOURS, colour_accuracy
     from training import config
 

@@ -19,7 +19,8 @@ from k3.model.checkpoint import WEIGHTS, load_model
 from k3.model.width import Experts
 from k3.ops import mx
 from k3.train import checkpoint as ckpt
-from k3.train.loop import read_metrics, train
+from k3.train.pretrain import train
+from k3.train.rundir import read_metrics
 from training import config
 
 QAT = MXConfig(enabled=True, weight_format="mxfp4", activation_format="mxfp8_e4m3")

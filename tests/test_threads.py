@@ -46,7 +46,7 @@ def test_core_share_waits_for_a_full_window(restore_threads):
 
 
 def test_threads_flag_and_config_are_validated(tmp_path):
-    from k3.train.loop import TrainConfig
+    from k3.train.pretrain import TrainConfig
 
     with pytest.raises(ValueError, match="train.threads"):
         TrainConfig(out=str(tmp_path), threads=0).validate()

@@ -1,4 +1,4 @@
-"""k3.train.loop and checkpoints: exact resume, atomic saves, clear errors, the CLI (SPEC §7; issue 4)."""
+"""k3.train.pretrain and checkpoints: exact resume, atomic saves, clear errors, the CLI (SPEC §7; issue 4)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ import torch
 from k3.cli import main
 from k3.train import checkpoint as ckpt
 from k3.model import checkpoint as model_ckpt
-from k3.train.loop import read_metrics, train
+from k3.train.pretrain import train
+from k3.train.rundir import read_metrics
 from training import config
 
 
@@ -51,7 +52,7 @@ def test_interrupted_save_leaves_the_previous_checkpoint(tmp_path, corpus, monke
     out = tmp_path / "run"
     train(config(out, corpus, steps=3))
     before = ckpt.latest_checkpoint(out)
-    from k3.train.loop import Run
+    from k3.train.pretrain import Run
 
     run = Run(config(out, corpus))
     run.prepare(resume=True)
@@ -227,7 +228,7 @@ Step = tuple[float, dict[str, torch.Tensor], list[torch.Tensor], list[torch.Tens
 def one_step(tmp_path, corpus, monkeypatch, micro: int) -> Step:
     """One `Run.step` over `uneven_batch` cut into ``micro`` micro-batches: the logged loss, the parameter
     gradients the optimisers receive (before clipping) and the gradient reaching each micro-batch's logits."""
-    from k3.train.loop import Run
+    from k3.train.pretrain import Run
 
     run = Run(config(tmp_path, corpus, grad_accum=micro, curriculum=[[0.0, 32]]))
     run.prepare(resume=False)
@@ -284,7 +285,7 @@ def test_paper_curriculum_is_the_papers_shape():
     """SPEC §7 / report §§3.3–3.4: 8K → 64K pre-training, 256K → 1M cooldown (1M = the paper's context,
     1,048,576 = 2²⁰), i.e. 8×, 4×, 4×; stages start at 0, 50%, 90% and 97% of the steps (loop.py's choice)."""
     from k3.config import K3Config
-    from k3.train.loop import paper_curriculum
+    from k3.train.pretrain import paper_curriculum
 
     paper = paper_curriculum()
     assert paper == [[0.0, 8192], [0.5, 65536], [0.9, 262144], [0.97, 1048576]]
@@ -301,7 +302,7 @@ def test_default_curriculum_is_the_paper_shape_scaled_to_the_presets():
     """TrainConfig's and `k3 train`'s default: the paper's four stages from 32 tokens (32 → 256 → 1024 → 4096,
     fitting the tiny preset's 4096 context), written out as the explicit list."""
     from k3.cli.train import _curriculum
-    from k3.train.loop import TrainConfig
+    from k3.train.pretrain import TrainConfig
 
     expected = [[0.0, 32], [0.5, 256], [0.9, 1024], [0.97, 4096]]
     assert TrainConfig().curriculum == expected
@@ -313,7 +314,7 @@ def test_default_curriculum_is_the_paper_shape_scaled_to_the_presets():
 def test_curriculum_longer_than_the_context_is_refused(tmp_path, corpus, capsys):
     """The unscaled paper curriculum (1M) does not fit the tiny preset (context 4096): refused before any
     data is read, naming the field, the flag and the limit; so are malformed paper:BASE and falling fractions."""
-    from k3.train.loop import paper_curriculum
+    from k3.train.pretrain import paper_curriculum
 
     with pytest.raises(ValueError, match=r"train.curriculum \(--curriculum\) reaches length 8192, beyond the "
                                          r"model's context_length 4096.*paper:32"):
@@ -348,7 +349,7 @@ def test_cli_run_passes_through_the_four_paper_stages(tmp_path, corpus):
 def test_validation_windows_do_not_depend_on_the_curriculum(tmp_path, corpus):
     """Validation uses ``eval_seq_len`` windows whatever the curriculum, so runs with different curricula
     compare: the same initial weights give the same validation loss."""
-    from k3.train.loop import Run
+    from k3.train.pretrain import Run
 
     losses = []
     for i, curriculum in enumerate(([[0.0, 32]], [[0.0, 64], [0.5, 128]])):

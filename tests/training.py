@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from k3.train.loop import TrainConfig
+from k3.train.pretrain import TrainConfig
 from k3.train.optim import OptimConfig
 
 

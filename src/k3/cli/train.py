@@ -15,10 +15,10 @@ from k3.serve.options import positive
 
 def _curriculum(text: str) -> list[list[float]]:
     """``"0:256,0.6:1024"`` → ``[[0.0, 256], [0.6, 1024]]``; ``"paper"`` / ``"paper:BASE"`` → the paper's four
-    stages (SPEC §7, `k3.train.loop.paper_curriculum`) with first length 8192 / ``BASE``."""
+    stages (SPEC §7, `k3.train.pretrain.paper_curriculum`) with first length 8192 / ``BASE``."""
     name, _, base = text.partition(":")
     if name == "paper":
-        from k3.train.loop import PAPER_BASE, paper_curriculum
+        from k3.train.pretrain import PAPER_BASE, paper_curriculum
 
         try:
             return paper_curriculum(int(base) if base else PAPER_BASE)
@@ -33,7 +33,7 @@ def _curriculum(text: str) -> list[list[float]]:
 
 def _train(args: argparse.Namespace) -> int:
     from k3.train.distributed import train_command
-    from k3.train.loop import TrainConfig
+    from k3.train.pretrain import TrainConfig
     from k3.train.optim import OptimConfig
 
     chosen = {"qk_clip": args.qk_clip} if args.qk_clip is not None else {}
@@ -89,7 +89,7 @@ def _train_draft(args: argparse.Namespace) -> int:
 
 def _eval(args: argparse.Namespace) -> int:
     from k3.train.checkpoint import read_train
-    from k3.train.loop import Run, TrainConfig
+    from k3.train.pretrain import Run, TrainConfig
     from k3.train.sharded import resolve  # a training checkpoint of either format
 
     path = resolve(Path(args.ckpt))

@@ -7,9 +7,10 @@ complete model config; with routed experts stored MXFP4-packed — `k3.model.qua
 compressed-tensors ``quantization_config``, and the experts as ``…experts.packed.E.w{1,2,3}.weight_{packed,scale}``
 uint8 tensors, the release's per-expert layout, loaded by the same `k3.model.packed.PackedExperts`),
 ``tokenizer.json`` and ``checksums.json`` (``{"algorithm": "sha256", "files": {name: hex
-digest}}`` of every other file). It is written into ``NAME.tmp`` (each file fsynced, the manifest last) and
-renamed when complete; a failed write removes the temporary directory and raises an OSError naming the file.
-A run directory holds ``step-NNNNNNN`` checkpoints and ``latest`` (replaced atomically) naming the newest.
+digest}}`` of every other file). It is written into ``NAME.tmp`` (each file through `k3.files.atomic_write`, the
+manifest last) and renamed when complete; a failed write removes the temporary directory and raises an OSError
+naming the file. A run directory holds ``step-NNNNNNN`` checkpoints and ``latest`` (replaced atomically) naming the
+newest.
 Every read checks its file against ``checksums.json`` (when there is one) and weights must be finite; a
 mismatch is a ValueError naming the file.
 """
@@ -31,6 +32,7 @@ from safetensors.torch import load_file, save_file
 
 from k3.config import K3Config
 from k3.config.hf import mx_from_quantization, quantization_config
+from k3.files import atomic_write, write_text
 from k3.model.lm import K3ForCausalLM
 from k3.model.packed import PackedExperts, use_packed_experts
 from k3.ops import mx
@@ -45,26 +47,6 @@ QUANTIZATION = "quantization_config"
 
 
 # ---------------------------------------------------------------------- writing
-@contextmanager
-def writing(path: Path) -> Iterator[Path]:
-    """Report a failed write (a full disk, a read-only directory) as an OSError naming ``path``."""
-    try:
-        yield path
-    except (OSError, SafetensorError) as err:
-        raise OSError(f"cannot write {path}: {err}") from err
-
-
-def write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with writing(tmp):
-            tmp.write_text(text)
-            os.replace(tmp, path)
-    except OSError:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 def _sha256(path: Path, sync: bool = False) -> str:
     with path.open("rb") as f:
         digest = hashlib.file_digest(f, "sha256").hexdigest()
@@ -76,27 +58,36 @@ def _sha256(path: Path, sync: bool = False) -> str:
 def write_manifest(directory: Path) -> None:
     """``checksums.json``: the sha256 of every file in ``directory``, each fsynced first."""
     files = {p.name: _sha256(p, sync=True) for p in sorted(directory.iterdir()) if p.is_file()}
-    with writing(directory / MANIFEST) as path:
-        path.write_text(json.dumps({"algorithm": "sha256", "files": files}, indent=2))
+    write_text(directory / MANIFEST, json.dumps({"algorithm": "sha256", "files": files}, indent=2))
 
 
 @contextmanager
 def atomic_directory(final: Path) -> Iterator[Path]:
-    """A fresh ``final.tmp`` to fill; when the block completes its manifest is added and it is renamed to
-    ``final``. On any error ``final.tmp`` is removed and ``final`` left as it was."""
+    """A fresh ``final.tmp`` to fill (its files through `k3.files.atomic_write`); when the block completes its
+    manifest is added and it is renamed to ``final``. On any error ``final.tmp`` is removed and ``final`` left as
+    it was; an OSError of the directory itself names it."""
     tmp = final.with_name(final.name + ".tmp")
     try:
         shutil.rmtree(tmp, ignore_errors=True)
-        with writing(tmp):
+        with _naming(tmp):
             tmp.mkdir(parents=True)
         yield tmp
         write_manifest(tmp)
         shutil.rmtree(final, ignore_errors=True)
-        with writing(final):
+        with _naming(final):
             os.replace(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+@contextmanager
+def _naming(directory: Path) -> Iterator[None]:
+    """An OSError of the block re-raised as one naming ``directory`` (files name themselves: `atomic_write`)."""
+    try:
+        yield
+    except OSError as err:
+        raise OSError(f"cannot write {directory}: {err}") from err
 
 
 def non_finite(tensors: dict[str, torch.Tensor]) -> str | None:
@@ -113,7 +104,7 @@ def write_model(directory: Path, model: torch.nn.Module, config: K3Config) -> No
     if bad is not None:
         raise ValueError(f"{directory.with_suffix('')}: not saved: weight {bad!r} has non-finite values "
                          f"(NaN or infinity)")
-    with writing(directory / WEIGHTS) as path:
+    with atomic_write(directory / WEIGHTS) as path:
         save_file(tensors, str(path))
     write_config(directory, config, packed=any(isinstance(m, PackedExperts) for m in model.modules()))
 
@@ -123,8 +114,7 @@ def write_config(directory: Path, config: K3Config, packed: bool = False) -> Non
     data = config.to_dict()
     if packed:
         data[QUANTIZATION] = quantization_config(config.mx)
-    with writing(directory / "config.json") as path:
-        path.write_text(json.dumps(data, indent=2))
+    write_text(directory / "config.json", json.dumps(data, indent=2))
 
 
 def save_model(directory: Path, model: torch.nn.Module, tokenizer: Tokenizer) -> Path:
@@ -132,8 +122,7 @@ def save_model(directory: Path, model: torch.nn.Module, tokenizer: Tokenizer) ->
     directory = Path(directory)
     with atomic_directory(directory) as tmp:
         write_model(tmp, model, model.config)
-        with writing(tmp / "tokenizer.json"):
-            tokenizer.save(tmp)
+        tokenizer.save(tmp)
     return directory
 
 

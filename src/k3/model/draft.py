@@ -29,8 +29,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from k3.files import atomic_write, write_text
 from k3.model import checkpoint as model_checkpoint
-from k3.model.checkpoint import atomic_directory, non_finite, verified, writing
+from k3.model.checkpoint import atomic_directory, non_finite, verified
 from k3.model.lm import K3ForCausalLM
 from k3.model.norm import RMSNorm
 from k3.model.sequence.kda import KDALayer, KDAState
@@ -217,11 +218,11 @@ class EagleDraft(nn.Module):
         bad = non_finite(tensors)
         if bad is not None:
             raise ValueError(f"{directory / DRAFT_WEIGHTS}: not saved: tensor {bad!r} has non-finite values")
-        with writing(directory / DRAFT_WEIGHTS) as path:
+        with atomic_write(directory / DRAFT_WEIGHTS) as path:
             save_file(tensors, str(path))
-        with writing(directory / DRAFT_CONFIG) as path:
-            path.write_text(json.dumps({"format": DRAFT_FORMAT, "version": DRAFT_VERSION, "draft": asdict(self.config),
-                                        "target": _target_fields(self.target)}, indent=2))
+        write_text(directory / DRAFT_CONFIG, json.dumps({"format": DRAFT_FORMAT, "version": DRAFT_VERSION,
+                                                         "draft": asdict(self.config),
+                                                         "target": _target_fields(self.target)}, indent=2))
 
     def save(self, directory: str | Path) -> Path:
         """Write `write`'s files and a checksum manifest into ``directory`` atomically."""

@@ -42,6 +42,7 @@ from torch import Tensor
 
 from k3.config import K3Config
 from k3.config.hf import from_release_dict, is_release, to_release_dict
+from k3.files import write_text
 from k3.model.packed import PROJECTIONS, PackedExperts, use_packed_experts
 from k3.model.safetensors_io import Shards, write_shards
 from k3.model.width import Experts, LatentMoE
@@ -245,9 +246,7 @@ def save_pretrained(model: Any, directory: str | os.PathLike, max_shard_bytes: i
     directory = Path(directory)
     paths = write_shards(directory, tensors, max_shard_bytes)
     config = to_release_dict(model.config, info.config if info else None)
-    tmp = directory / "config.json.tmp"
-    tmp.write_text(json.dumps(config, indent=2))
-    os.replace(tmp, directory / "config.json")
+    write_text(directory / "config.json", json.dumps(config, indent=2))
     return paths
 
 

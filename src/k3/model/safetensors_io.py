@@ -5,7 +5,7 @@ out tensors that are views of a copy-on-write memory map of their file: nothing 
 tensor's pages are touched, so a layer's routed experts cost memory only once they are used. Every header
 is checked (JSON, dtypes, shapes against byte ranges, ranges inside the file, the index against the files);
 a problem is a `ValueError` naming the file and tensor. `write_shards` writes a state dict back in the same
-layout, atomically per file.
+layout, each file through `k3.files.atomic_write`.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 from torch import Tensor
+
+from k3.files import atomic_write, write_text
 
 INDEX_FILE = "model.safetensors.index.json"
 DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
@@ -123,7 +125,7 @@ class Shards:
 def write_shards(directory: str | os.PathLike, tensors: dict[str, Tensor], max_shard_bytes: int = 5 * 2**30,
                  prefix: str = "model") -> list[Path]:
     """Write ``tensors`` as ``prefix-0000i-of-0000n.safetensors`` (in order, each at most ``max_shard_bytes``
-    unless one tensor is larger) plus the index; each file is written to a temporary name and renamed."""
+    unless one tensor is larger) plus the index, each atomically."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     groups: list[dict[str, Tensor]] = [{}]
@@ -138,14 +140,11 @@ def write_shards(directory: str | os.PathLike, tensors: dict[str, Tensor], max_s
     paths, weight_map = [], {}
     for i, group in enumerate(groups, 1):
         path = directory / f"{prefix}-{i:05d}-of-{len(groups):05d}.safetensors"
-        tmp = path.with_name(path.name + ".tmp")
-        save_file(group, str(tmp), metadata={"format": "pt"})
-        os.replace(tmp, path)
+        with atomic_write(path) as tmp:
+            save_file(group, str(tmp), metadata={"format": "pt"})
         paths.append(path)
         weight_map.update(dict.fromkeys(group, path.name))
     total = sum(t.numel() * t.element_size() for t in tensors.values())
-    index = directory / INDEX_FILE
-    tmp = index.with_name(index.name + ".tmp")
-    tmp.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    os.replace(tmp, index)
+    write_text(directory / INDEX_FILE, json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                                  indent=2))
     return paths

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, fields, replace
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +20,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
+from k3.files import atomic_write
 from k3.model.sequence.kda import KDAReplay, KDAState
 from k3.model.sequence.mla import MLACache
 
@@ -161,12 +161,11 @@ class DecoderState:
         return {name: t.contiguous() for name, t in out.items()}
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write a safetensors file atomically (temporary file, then rename)."""
+        """Write a safetensors file atomically (`k3.files.atomic_write`)."""
         kinds = ["kda" if isinstance(s, KDAState) else "mla" for s in self.layers]
         meta = {"format": "k3.DecoderState", "kinds": json.dumps(kinds), "position": str(self.position)}
-        tmp = Path(f"{os.fspath(path)}.tmp")
-        save_file(self.tensors(), str(tmp), metadata=meta)
-        os.replace(tmp, path)
+        with atomic_write(path) as tmp:
+            save_file(self.tensors(), str(tmp), metadata=meta)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> DecoderState:

@@ -20,7 +20,7 @@ from typing import Any
 from k3.rl.agent import TOOLS, episode_messages
 from k3.rl.domains import DOMAINS, EFFORTS, SPLITS, Task, assistant_message, generate, system_prompt
 from k3.chat.native import MODES, format_tool_calls, normalize
-from k3.tokenization.base import write_atomic
+from k3.files import write_text
 
 __all__ = ["chat_records", "plain_texts", "read_chats", "record", "write_chats"]
 
@@ -80,7 +80,7 @@ def write_chats(path: str | os.PathLike[str], records: Sequence[dict]) -> Path:
         _check(rec, f"record {i}")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode())
+    write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
     return path
 
 

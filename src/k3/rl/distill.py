@@ -26,13 +26,13 @@ import torch
 
 from k3.model import checkpoint as model_ckpt
 from k3.model.lm import K3ForCausalLM
-from k3.rl import stage
 from k3.rl.domains import DOMAINS, EFFORTS, Task, generate
 from k3.rl.episode import greedy
 from k3.rl.onpolicy import OnPolicyRun, run_stage, training_batch
 from k3.rl.policy import token_logprobs
 from k3.rl.rewards import mopd_token_rewards, policy_loss
 from k3.rl.rollout import Trajectory
+from k3.train.driver import check_counts
 
 
 @dataclass
@@ -66,7 +66,7 @@ class DistillConfig:
     def validate(self) -> DistillConfig:
         if self.samples != 1:
             raise ValueError(f"distill.samples = {self.samples!r} is invalid: MOPD samples once per prompt")
-        stage.check_counts(self, "distill", ("steps", "prompts", "max_tokens", "train_tasks", "eval_tasks",
+        check_counts(self, "distill", ("steps", "prompts", "max_tokens", "train_tasks", "eval_tasks",
                                              "eval_every", "ckpt_every"))
         if not self.ckpt or not self.teachers or not self.out:
             raise ValueError("distill.ckpt, distill.teachers and distill.out are required: paths")
@@ -143,7 +143,7 @@ class DistillRun(OnPolicyRun):
         return {**record, "accuracy": statistics.fmean(o.correct for o in outcomes),
                 "mean_tokens": statistics.fmean(o.tokens for o in outcomes)}
 
-    def evaluate(self) -> dict[str, float]:
+    def evaluation(self) -> dict[str, Any]:
         """Held-out accuracy, mean tokens and teacher gap per domain × effort, and their means."""
         out: dict[str, float] = {}
         for domain, effort in self.config.pairs:

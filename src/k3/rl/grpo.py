@@ -25,13 +25,13 @@ from typing import Any
 
 import torch
 
-from k3.rl import stage
 from k3.rl.domains import DOMAINS, EFFORTS, Task, generate
 from k3.rl.episode import budget_base, evaluate, reference_tokens
 from k3.rl.onpolicy import OnPolicyRun, run_stage, training_batch
 from k3.rl.policy import token_logprobs
 from k3.rl.rewards import EFFORT_TAU, apply_verbosity, budget_reward, group_advantages, policy_loss, tau_schedule
 from k3.rl.rollout import Trajectory
+from k3.train.driver import check_counts
 
 ANNEAL = "anneal"
 
@@ -66,7 +66,7 @@ class RLConfig:
     progress: bool = True
 
     def validate(self) -> RLConfig:
-        stage.check_counts(self, "rl", ("steps", "prompts", "samples", "max_tokens", "train_tasks", "eval_tasks",
+        check_counts(self, "rl", ("steps", "prompts", "samples", "max_tokens", "train_tasks", "eval_tasks",
                                         "eval_every", "ckpt_every"))
         if not self.ckpt or not self.out:
             raise ValueError("rl.ckpt and rl.out are required: paths")
@@ -99,7 +99,7 @@ class RLRun(OnPolicyRun):
 
     def effort(self) -> str:
         """The effort of prompts started now: the run's, or annealed max → high → low over the iterations."""
-        return tau_schedule(self.iteration_index, self.config.steps)[0] if self.config.effort == ANNEAL \
+        return tau_schedule(self.step_index, self.config.steps)[0] if self.config.effort == ANNEAL \
             else self.config.effort
 
     def next_prompts(self, n: int) -> list[tuple[Task, str]]:
@@ -129,7 +129,7 @@ class RLRun(OnPolicyRun):
                 "reward": statistics.fmean(rewards), "accuracy": statistics.fmean(correct),
                 "mean_tokens": statistics.fmean(lengths)}
 
-    def evaluate(self) -> dict[str, float]:
+    def evaluation(self) -> dict[str, Any]:
         """Held-out metrics per domain at the evaluation effort — the policy's expected reward, from K samples per
         test task at the run's temperature (a fixed seed, the same at every evaluation) — and their means."""
         cfg = self.config

@@ -1,14 +1,14 @@
 """What RL (`k3.rl.grpo`) and MOPD (`k3.rl.distill`) share (SPEC §7): a policy that samples its own training data
 on the serving engine with partial rollouts, one optimiser step per iteration, held-out evaluation, and exact
 resumption — weights, optimiser, RNG, the trajectories in flight and their paused environments (SPEC §8: each a
-sandbox checkpoint on disk, no process held).
+sandbox checkpoint on disk, no process held). The loop is `k3.train.driver.drive`'s: an iteration is its step.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
-import sys
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -18,13 +18,15 @@ from torch import Tensor
 
 from k3.model import checkpoint as model_ckpt
 from k3.model.packed import PackedExperts
-from k3.rl import stage
 from k3.rl.domains import Task
 from k3.rl.episode import Episodes, prompt_ids, sampling
 from k3.rl.policy import pad_sequences
 from k3.rl.rollout import ENVIRONMENT, IterationStats, PartialRollouts, Trajectory, run_iteration
 from k3.serve.engine import Engine
 from k3.train import checkpoint as train_ckpt
+from k3.train.driver import Loop, Stage, drive
+from k3.train.optim import apply_step
+from k3.train.rundir import Metrics, Panel, open_run
 
 #: Settings a resumed run may change (paths, length, cadence, threads).
 RESUMABLE_CHANGES = ("ckpt", "teachers", "out", "steps", "eval_every", "ckpt_every", "threads", "progress")
@@ -44,27 +46,40 @@ def training_batch(trajectories: list[Trajectory], pad_id: int) -> tuple[Tensor,
     return inputs, targets, mask, old
 
 
-class OnPolicyRun:
+class OnPolicyRun(Stage):
     """The run skeleton: ``config`` has ckpt, out, prompts, samples (K), lam, max_tokens, temperature, lr,
-    clip_grad, seed. Subclasses choose the next prompts (`next_prompts`), the update (`update`) and `evaluate`."""
+    clip_grad, seed. Subclasses choose the next prompts (`next_prompts`), the update (`update`) and the held-out
+    metrics (`evaluation`)."""
 
     stage_name = "on-policy"
 
     def __init__(self, config: Any) -> None:
         self.config = config.validate()
         self.out = Path(config.out)
-        self.metrics = stage.Metrics(self.out / "metrics.jsonl")
+        self.metrics = Metrics(self.out / "metrics.jsonl")
         self.model, self.tokenizer = model_ckpt.load_model(Path(config.ckpt))
         if any(isinstance(m, PackedExperts) for m in self.model.modules()):
             raise ValueError(f"{config.ckpt}: the routed experts are stored MXFP4-packed; {self.stage_name} trains "
                              f"float weights")
-        self.iteration_index = 0  # iterations run
+        self.step_index = 0  # iterations run
         self.version = 0  # optimiser steps taken: the policy version every sampled token records
         self.cursor = 0  # position in the stream of training prompts
 
+    @property
+    def iteration_index(self) -> int:
+        """Iterations run (the loop's ``step_index``: an iteration is its step)."""
+        return self.step_index
+
+    @property
+    def loop(self) -> Loop:
+        """Every iteration logged; progress as each record's JSON line."""
+        cfg = self.config
+        return Loop(cfg.steps, cfg.ckpt_every, eval_every=cfg.eval_every, threads=cfg.threads, progress=cfg.progress,
+                    lines=True)
+
     def prepare(self, resume: bool) -> None:
         cfg = self.config
-        existing = self.resumed_from = stage.open_run(self.out, resume)
+        existing = open_run(self.out, resume)
         self.tok_dir = self.out / "tokenizer"
         self.tokenizer.save(self.tok_dir)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=0.0)
@@ -74,7 +89,7 @@ class OnPolicyRun:
         torch.manual_seed(cfg.seed)
         if existing is not None:
             self._restore(existing)
-        self.metrics.start(None if existing is None else self.iteration_index)
+        self.metrics.start(None if existing is None else self.step_index)
 
     # ------------------------------------------------------------------ one iteration
     def next_prompts(self, n: int) -> list[tuple[Task, str]]:
@@ -85,8 +100,13 @@ class OnPolicyRun:
         """One optimiser step on complete groups; returns its metrics."""
         raise NotImplementedError
 
-    def evaluate(self) -> dict[str, float]:
+    def evaluation(self) -> dict[str, Any]:
+        """Held-out metrics."""
         raise NotImplementedError
+
+    def opening(self) -> dict[str, Any]:
+        """The starting policy's held-out metrics."""
+        return {"step": 0, **self.evaluation()}
 
     def rollout(self) -> tuple[IterationStats, list[list[Trajectory]]]:
         """Fill the rollouts up to N groups, run one partial-rollout iteration; the groups that completed."""
@@ -97,16 +117,17 @@ class OnPolicyRun:
         for group, (task, effort) in zip(groups, chosen):
             self.episodes.add(group, task, effort)
         self.model.eval()
-        params = sampling(self.tokenizer, cfg.temperature, seed=cfg.seed * 1_000_003 + self.iteration_index)
+        params = sampling(self.tokenizer, cfg.temperature, seed=cfg.seed * 1_000_003 + self.step_index)
         stats = run_iteration(self.engine, self.rollouts, params, self.version, cfg.lam, cfg.max_tokens,
                               self.episodes.observe)
         return stats, self.rollouts.complete_groups()
 
-    def iteration(self) -> dict[str, Any]:
-        """Roll out, then one optimiser step on the groups that completed (none: no step, the version stays)."""
+    def step(self) -> dict[str, Any]:
+        """One iteration: roll out, then one optimiser step on the groups that completed (none: no step, the version
+        stays)."""
         stats, groups = self.rollout()
-        self.iteration_index += 1
-        record: dict[str, Any] = {"step": self.iteration_index, "version": self.version,
+        self.step_index += 1
+        record: dict[str, Any] = {"step": self.step_index, "version": self.version,
                                   "rollout_tokens": stats.tokens, "rollout_s": stats.seconds,
                                   "rollout_tokens_per_s": stats.tokens / max(stats.seconds, 1e-9),
                                   "finished": stats.finished, "paused": stats.paused, "idle": stats.idle,
@@ -122,26 +143,25 @@ class OnPolicyRun:
         """Backward ``loss``, clip, step; returns the gradient norm before clipping."""
         loss.backward()
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.clip_grad))
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        apply_step([self.optimizer])
         self.model.eval()
         return grad_norm
 
     # ------------------------------------------------------------------ checkpoints
     def save(self) -> Path:
-        sandboxes = self.out / "sandboxes" / f"step-{self.iteration_index:07d}"
+        sandboxes = self.out / "sandboxes" / f"step-{self.step_index:07d}"
         envs = {}
         for traj_id in self.episodes.envs:
             sandboxes.mkdir(parents=True, exist_ok=True)
             path = sandboxes / traj_id.replace("/", "-")
             envs[traj_id] = {"sandbox": str(path.relative_to(self.out)), **self.episodes.save_env(traj_id, path)}
-        progress = {"iteration": self.iteration_index, "version": self.version, "cursor": self.cursor,
+        progress = {"iteration": self.step_index, "version": self.version, "cursor": self.cursor,
                     "rollouts": self.rollouts.state_dict(),
                     "groups": {g: [task.to_dict(), effort] for g, (task, effort) in self.episodes.tasks.items()},
                     "envs": envs}
         state = {"optimizers": [self.optimizer.state_dict()], "rng": torch.get_rng_state(),
-                 "step": self.iteration_index, "progress": json.dumps(progress)}
-        path = train_ckpt.save_checkpoint(self.out, self.iteration_index, self.model, self.model.config,
+                 "step": self.step_index, "progress": json.dumps(progress)}
+        path = train_ckpt.save_checkpoint(self.out, self.step_index, self.model, self.model.config,
                                           asdict(self.config), self.tok_dir, state)
         kept = {p.name for p in model_ckpt.checkpoints(self.out)}
         for directory in (self.out / "sandboxes").iterdir() if (self.out / "sandboxes").exists() else ():
@@ -151,13 +171,13 @@ class OnPolicyRun:
 
     def _restore(self, path: Path) -> None:
         train_ckpt.check_same_config(path, model_ckpt.read_config(path), self.model.config)
-        stage.check_resumable(path, train_ckpt.read_train(path), asdict(self.config), RESUMABLE_CHANGES)
+        train_ckpt.check_resumable(path, asdict(self.config), RESUMABLE_CHANGES)
         state = train_ckpt.load_state(path)
         train_ckpt.load_single(path, self.model, [self.optimizer], state)
         try:
             progress = json.loads(state["progress"])
             torch.set_rng_state(state["rng"])
-            self.iteration_index, self.version = progress["iteration"], progress["version"]
+            self.step_index, self.version = progress["iteration"], progress["version"]
             self.cursor = progress["cursor"]
             self.rollouts.load_state_dict(progress["rollouts"])
             for group, (task, effort) in progress["groups"].items():
@@ -172,30 +192,13 @@ class OnPolicyRun:
         self.episodes.close()
 
 
-def run_stage(run: OnPolicyRun, resume: bool, panels: tuple) -> OnPolicyRun:
-    """Run (or continue) a stage: held-out metrics first (a fresh run), then iterations with evaluations every
-    ``eval_every`` and checkpoints every ``ckpt_every`` and at the end; then ``curves.png``."""
-    config = run.config
+def run_stage(run: OnPolicyRun, resume: bool, panels: Sequence[Panel]) -> OnPolicyRun:
+    """Run (or continue) a stage (`k3.train.driver.drive`): held-out metrics first (a fresh run), then iterations
+    with evaluations every ``eval_every`` and checkpoints every ``ckpt_every`` and at the end; then ``curves.png``
+    of ``panels``."""
     run.prepare(resume)
-    threads = torch.get_num_threads()
-    if config.threads is not None:
-        torch.set_num_threads(config.threads)
     try:
-        if run.resumed_from is None:
-            run.metrics.log({"step": 0, **run.evaluate()})
-        while run.iteration_index < config.steps:
-            record = run.iteration()
-            last = run.iteration_index == config.steps
-            if run.iteration_index % config.eval_every == 0 or last:
-                record.update(run.evaluate())
-            run.metrics.log(record)
-            if config.progress:
-                print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in record.items()}),
-                      file=sys.stderr)
-            if run.iteration_index % config.ckpt_every == 0 or last:
-                run.save()
-        stage.plot(run.metrics, run.out / "curves.png", panels)
+        drive(run, panels)
     finally:
-        torch.set_num_threads(threads)
         run.close()
     return run

@@ -61,6 +61,7 @@ from functools import cache
 from pathlib import Path, PurePosixPath
 from typing import Literal
 
+from k3.files import write_bytes
 from k3.rl.jail import process_uids
 
 __all__ = ["Limits", "Result", "Entry", "Snapshot", "Sandbox", "isolation"]
@@ -285,16 +286,7 @@ class Sandbox:
     def checkpoint(self, path: Path) -> Path:
         """Write the root and limits to ``path`` (a tar with a manifest), atomically; return ``path``."""
         path = Path(path)
-        data = _pack(self.snapshot(), self._limits)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
+        write_bytes(path, _pack(self.snapshot(), self._limits))
         return path
 
     @classmethod

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -44,13 +43,14 @@ from torch import Tensor
 from k3.model import checkpoint as model_ckpt
 from k3.model.lm import K3ForCausalLM
 from k3.model.packed import PackedExperts
-from k3.rl import stage
 from k3.rl.policy import pad_sequences
 from k3.chat.native import MODES, render
 from k3.tokenization.bpe import Tokenizer
 from k3.train import checkpoint as train_ckpt
 from k3.train.data import masked_loss_sum
-from k3.train.optim import OptimConfig, build_optimizers, schedulers
+from k3.train.driver import Loop, Stage, check_counts, drive
+from k3.train.optim import OptimConfig, apply_step, build_optimizers, schedulers
+from k3.train.rundir import Metrics, Panel, open_run
 
 __all__ = ["SFTConfig", "SFTRun", "batch_indices", "batch_loss", "encode_chats", "held_out", "load_chats",
            "run_sft", "supervised_ids"]
@@ -199,7 +199,7 @@ class SFTConfig:
     progress: bool = True
 
     def validate(self) -> SFTConfig:
-        stage.check_counts(self, "sft", ("steps", "batch_size", "seq_len", "eval_every", "ckpt_every"))
+        check_counts(self, "sft", ("steps", "batch_size", "seq_len", "eval_every", "ckpt_every"))
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"sft.seed = {self.seed!r} is invalid: must be an integer")
         for name in ("ckpt", "data", "out"):
@@ -228,14 +228,13 @@ def _data_sha256(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-class SFTRun:
+class SFTRun(Stage):
     """One SFT run: the base model and tokenizer, the encoded chats, optimisers; `step()` advances one step."""
 
     def __init__(self, config: SFTConfig) -> None:
         self.config = config.validate()
         self.out = Path(config.out)
-        self.metrics_path = self.out / "metrics.jsonl"
-        self.metrics = stage.Metrics(self.metrics_path)
+        self.metrics = Metrics(self.out / "metrics.jsonl")
         self.model, self.tokenizer = model_ckpt.load_model(Path(config.ckpt))
         model = self.model.config
         if any(isinstance(m, PackedExperts) for m in self.model.modules()):
@@ -247,13 +246,18 @@ class SFTRun:
             raise ValueError(f"sft.seq_len = {config.seq_len} is beyond the model's context_length "
                              f"{model.context_length}")
         self.step_index = 0
-        self.resumed_from: Path | None = None  # the checkpoint `prepare` continued, if any
+
+    @property
+    def loop(self) -> Loop:
+        """Every step logged."""
+        cfg = self.config
+        return Loop(cfg.steps, cfg.ckpt_every, eval_every=cfg.eval_every, threads=cfg.threads, progress=cfg.progress)
 
     def prepare(self, resume: bool) -> None:
         """Data, optimisers and schedulers; from the newest checkpoint in ``out`` with ``resume`` (a fresh start
         when there is none). Without ``resume`` an ``out`` that holds a checkpoint is refused."""
         cfg = self.config
-        existing = self.resumed_from = stage.open_run(self.out, resume)
+        existing = open_run(self.out, resume)
         self._prepare_data()
         self.tok_dir = self.out / "tokenizer"
         self.tokenizer.save(self.tok_dir)
@@ -282,7 +286,7 @@ class SFTRun:
 
     def _restore(self, path: Path) -> None:
         train_ckpt.check_same_config(path, model_ckpt.read_config(path), self.model.config)
-        stage.check_resumable(path, train_ckpt.read_train(path), asdict(self.config), RESUMABLE_CHANGES)
+        train_ckpt.check_resumable(path, asdict(self.config), RESUMABLE_CHANGES)
         if model_ckpt.read_tokenizer(path) != self.tokenizer:
             raise ValueError(f"{path / 'tokenizer.json'}: differs from the base checkpoint's tokenizer")
         state = train_ckpt.load_state(path)
@@ -318,12 +322,7 @@ class SFTRun:
         loss_sum, count = batch_loss(self.model, batch)
         (loss_sum / count).backward()
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.clip_grad))
-        lr = self.optimizers[0].param_groups[0]["lr"]
-        for opt in self.optimizers:
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        for sched in self.schedulers:
-            sched.step()
+        lr = apply_step(self.optimizers, self.schedulers)
         self.step_index += 1
         return {"step": self.step_index, "loss": loss_sum.item() / count, "lr": lr, "grad_norm": grad_norm,
                 "tokens": sum(len(ids) for ids, _ in chosen), "supervised": count}
@@ -340,44 +339,23 @@ class SFTRun:
             total, count = total + float(loss_sum), count + n
         return total / count
 
-    def log(self, record: dict[str, Any]) -> None:
-        self.metrics.log(record)
+    def evaluation(self) -> dict[str, Any]:
+        return {"val_loss": self.evaluate()}
+
+    def opening(self) -> dict[str, Any]:
+        """The base's held-out loss and the data's counts."""
+        return {"step": 0, **self.evaluation(), "train_chats": len(self.train_seqs), "val_chats": len(self.val_seqs),
+                "skipped_too_long": self.skipped}
 
 
-PANELS = (("SFT loss (supervised tokens)", ("loss", "val_loss")), ("learning rate", ("lr",)))
+PANELS: tuple[Panel, ...] = (("SFT loss (supervised tokens)", ("loss", "val_loss")), ("learning rate", ("lr",)))
 
 
 def run_sft(config: SFTConfig, resume: bool = False) -> SFTRun:
-    """Run (or continue) SFT: the base's held-out loss first (a fresh run), then ``steps`` steps with evaluations
-    every ``eval_every`` and checkpoints every ``ckpt_every`` steps and at the end; then ``curves.png``."""
+    """Run (or continue) SFT (`k3.train.driver.drive`): the base's held-out loss first (a fresh run), then
+    ``steps`` steps with evaluations every ``eval_every`` and checkpoints every ``ckpt_every`` steps and at the end;
+    then ``curves.png``."""
     run = SFTRun(config)
     run.prepare(resume)
-    threads = torch.get_num_threads()
-    if config.threads is not None:
-        torch.set_num_threads(config.threads)
-    bar = None
-    try:
-        if run.resumed_from is None:
-            run.log({"step": 0, "val_loss": run.evaluate(), "train_chats": len(run.train_seqs),
-                     "val_chats": len(run.val_seqs), "skipped_too_long": run.skipped})
-        if config.progress:
-            from tqdm import tqdm
-
-            bar = tqdm(total=config.steps, initial=run.step_index, unit="step", dynamic_ncols=True, file=sys.stderr)
-        while run.step_index < config.steps:
-            record = run.step()
-            last = run.step_index == config.steps
-            if run.step_index % config.eval_every == 0 or last:
-                record["val_loss"] = run.evaluate()
-            run.log(record)
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(loss=f"{record['loss']:.3f}")
-            if run.step_index % config.ckpt_every == 0 or last:
-                run.save()
-    finally:
-        torch.set_num_threads(threads)
-        if bar is not None:
-            bar.close()
-    stage.plot(run.metrics, run.out / "curves.png", PANELS)
+    drive(run, PANELS)
     return run

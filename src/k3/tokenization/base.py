@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import tempfile
-from pathlib import Path
-
 
 class Vocabulary:
     """``vocab_size`` / ``len`` and ``special_ids`` from ``_size`` and ``_special_ids`` (literal → id)."""
@@ -26,17 +22,3 @@ class Vocabulary:
         """``{literal: id}`` for every special token."""
         return dict(self._special_ids)
 
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` via a temporary file in the same directory, fsync and ``os.replace``: readers see
-    the old file or the new one, never a part."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

@@ -16,7 +16,7 @@ plain text (it is split into ordinary byte-level tokens, never the special id); 
 ``tokenizers.Tokenizer`` objects share the same model, one with ``encode_special_tokens = True``
 (plain) and one without (protocol). ``decode`` renders special ids as their literal strings.
 
-``save(directory)`` writes ``directory/tokenizer.json`` atomically (temporary file + ``os.replace``);
+``save(directory)`` writes ``directory/tokenizer.json`` atomically (`k3.files.atomic_write`);
 ``load(directory)`` reads it back and checks the special-token layout, raising ``ValueError`` naming
 the path for a missing, corrupt or mismatched file.
 """
@@ -33,7 +33,8 @@ from pathlib import Path
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as _HFTokenizer
 
-from k3.tokenization.base import Vocabulary, write_atomic
+from k3.files import write_text
+from k3.tokenization.base import Vocabulary
 
 __all__ = [
     "SPECIAL_TOKENS",
@@ -235,11 +236,11 @@ class Tokenizer(Vocabulary):
         return cls(hf, source=source)
 
     def save(self, directory: str | os.PathLike[str]) -> Path:
-        """Write ``directory/tokenizer.json`` atomically (temporary file, fsync, ``os.replace``)."""
+        """Write ``directory/tokenizer.json`` atomically (`k3.files.atomic_write`)."""
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
         path = d / TOKENIZER_FILE
-        write_atomic(path, self.to_json().encode("utf-8"))
+        write_text(path, self.to_json())
         return path
 
     @classmethod

@@ -24,7 +24,8 @@ from typing import Any
 
 import tiktoken
 
-from k3.tokenization.base import Vocabulary, write_atomic
+from k3.files import write_bytes, write_text
+from k3.tokenization.base import Vocabulary
 
 __all__ = ["CONFIG_FILE", "MODEL_FILE", "NUM_RESERVED", "PAT_STR", "KimiTokenizer"]
 
@@ -201,8 +202,8 @@ class KimiTokenizer(Vocabulary):
         d.mkdir(parents=True, exist_ok=True)
         lines = (base64.b64encode(token) + b" %d\n" % rank
                  for token, rank in sorted(self._ranks.items(), key=lambda item: item[1]))
-        write_atomic(d / MODEL_FILE, b"".join(lines))
-        write_atomic(d / CONFIG_FILE, (json.dumps(self._config, indent=2, ensure_ascii=False) + "\n").encode())
+        write_bytes(d / MODEL_FILE, b"".join(lines))
+        write_text(d / CONFIG_FILE, json.dumps(self._config, indent=2, ensure_ascii=False) + "\n")
         return d
 
     @classmethod

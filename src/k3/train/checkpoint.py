@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -28,9 +29,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from k3.config import K3Config
+from k3.files import atomic_write, write_text
 from k3.model import checkpoint as model_checkpoint
-from k3.model.checkpoint import (LATEST, MODEL_FILES, atomic_directory, checkpoints, verified, write_model, write_text,
-                                 writing)
+from k3.model.checkpoint import LATEST, MODEL_FILES, atomic_directory, checkpoints, verified, write_model
 from k3.train import state_codec
 
 STATE_TENSORS, STATE_JSON, LEGACY_STATE = "state.safetensors", "state.json", "state.pt"
@@ -40,30 +41,33 @@ STATE_FORMAT, STATE_VERSION = "k3-train-state", 1
 def write_state(directory: Path, state: dict[str, Any]) -> None:
     """``state.safetensors`` (every tensor of ``state``) and ``state.json`` (the rest; see `state_codec`)."""
     data, tensors = state_codec.encode(state)
-    with writing(directory / STATE_TENSORS) as path:
+    with atomic_write(directory / STATE_TENSORS) as path:
         save_file(tensors, str(path))
-    with writing(directory / STATE_JSON) as path:
-        path.write_text(json.dumps({"format": STATE_FORMAT, "version": STATE_VERSION, "state": data}))
+    write_text(directory / STATE_JSON, json.dumps({"format": STATE_FORMAT, "version": STATE_VERSION, "state": data}))
 
 
 def save_checkpoint(out: Path, step: int, model: torch.nn.Module, config: K3Config, train: dict[str, Any],
                     tokenizer_dir: Path, state: dict[str, Any], keep: int = 2) -> Path:
-    """Write checkpoint ``step`` under ``out`` atomically, point ``latest`` at it, then `prune` to ``keep``."""
+    """Write checkpoint ``step`` under ``out`` atomically, then `publish` it."""
     final = out / f"step-{step:07d}"
     with atomic_directory(final) as tmp:
         write_model(tmp, model, config)
         write_run_files(tmp, train, tokenizer_dir, state)
+    publish(out, final, keep)
+    return final
+
+
+def publish(out: Path, final: Path, keep: int = 2) -> None:
+    """Point ``out/latest`` at the complete checkpoint ``final`` (atomically), then `prune` to ``keep``."""
     write_text(out / LATEST, final.name)
     prune(out, keep, final.name)
-    return final
 
 
 def write_run_files(directory: Path, train: dict[str, Any], tokenizer_dir: Path, state: dict[str, Any]) -> None:
     """What a training checkpoint holds beside the model's files: ``train.json``, ``tokenizer.json`` (copied from
     ``tokenizer_dir``) and the training state."""
-    with writing(directory / "train.json") as path:
-        path.write_text(json.dumps(train, indent=2))
-    with writing(directory / "tokenizer.json") as path:
+    write_text(directory / "train.json", json.dumps(train, indent=2))
+    with atomic_write(directory / "tokenizer.json") as path:
         shutil.copyfile(tokenizer_dir / "tokenizer.json", path)
     write_state(directory, state)
 
@@ -114,6 +118,16 @@ def read_train(ckpt: Path) -> dict[str, Any]:
         return json.loads(path.read_text())
     except (OSError, ValueError) as err:
         raise ValueError(f"{path}: cannot read the training config ({err})") from err
+
+
+def check_resumable(ckpt: Path, config: dict[str, Any], may_change: Sequence[str]) -> None:
+    """A resumed run's settings ``config`` (as JSON stores them: tuples become lists) must be the checkpoint's
+    ``train.json``, except ``may_change`` (ValueError naming the field)."""
+    saved, requested = read_train(ckpt), json.loads(json.dumps(config))
+    for key, value in requested.items():
+        if key not in may_change and saved.get(key) != value:
+            raise ValueError(f"{ckpt / 'train.json'}: field {key!r} is {saved.get(key)!r} in the checkpoint but "
+                             f"{value!r} was requested")
 
 
 def load_state(ckpt: Path) -> dict[str, Any]:

@@ -23,7 +23,7 @@ Packing (SPEC §7: mean cross-entropy over *supervised* positions only)
 Loss
     :func:`masked_mean_loss` — mean cross-entropy over positions where the mask is True.
     :func:`masked_loss_sum` — its ``(sum, count)``: a training step's loss is ``Σ sums / Σ counts`` over
-    its micro-batches, so gradient accumulation never reweights a position (``k3.train.loop``).
+    its micro-batches, so gradient accumulation never reweights a position (``k3.train.pretrain``).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ rank then writes the same bias), QK-clip uses the largest logit any rank saw. Th
 parameters are therefore the single-process run's on the same batch, up to float summation order.
 
 Rank 0 writes the run's files (tokenizer, metrics, plot); checkpoints are sharded (`k3.train.sharded`), written by
-all ranks. A 1-process run never comes here: it is `k3.train.loop.Run`, with no distributed call.
+all ranks. A 1-process run never comes here: it is `k3.train.pretrain.Run`, with no distributed call.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import Tensor
 
@@ -32,7 +31,8 @@ from k3.dist.muon import clip_grad_norm
 from k3.dist.layout import ParallelLayout
 from k3.dist.mesh import World
 from k3.train import sharded
-from k3.train.loop import Run, TrainConfig, train_steps, train
+from k3.train.driver import drive
+from k3.train.pretrain import PANELS, Run, TrainConfig, train
 
 
 def check_layout(config: TrainConfig, layout: ParallelLayout) -> ParallelLayout:
@@ -57,7 +57,7 @@ class DistributedRun(Run):
                                      threads=config.threads or threads_per_rank(local_world))
         super().__init__(config)
         self.world, self.device = world, world.device
-        self.writes = world.rank == 0
+        self.metrics.writes = world.rank == 0
         self.model.to(self.device)
         lay = world.layout
         self.experts: list[ExpertParallelExperts] = []
@@ -123,30 +123,22 @@ class DistributedRun(Run):
                  for p in ("gate_up", "down")]
         return sharded.ExpertShards(self.world.mesh["ep"], names)
 
-    def log(self, record: dict[str, Any]) -> None:
-        if self.writes:
-            super().log(record)
-
 
 def train_distributed(config: TrainConfig, world: World, resume: bool = False,
                       redundant_slots: int | None = None) -> DistributedRun:
-    """`k3.train.loop.train` on this rank of ``world``: every rank calls it."""
+    """`k3.train.pretrain.train` on this rank of ``world``: every rank calls it."""
     run = DistributedRun(config, world, redundant_slots)
     run.prepare(resume)
-    threads = torch.get_num_threads()
-    try:
-        train_steps(run, run.config)
-    finally:
-        torch.set_num_threads(threads)
+    drive(run, PANELS)
     return run
 
 
 def train_command(config: TrainConfig, resume: bool, argv: list[str], nproc: int | None = None,
                   redundant_slots: int | None = None, **layout: int | None) -> Run | int:
     """``k3 train``: the layout (``dp_replicate``, ``dp_shard``, ``ep``, ``cp``) is checked before anything starts;
-    then one process trains alone (`k3.train.loop.train`), or under torchrun (``WORLD_SIZE`` set) this process trains
-    its rank, or with ``nproc`` > 1 it launches torchrun on ``argv``. Returns the run whose result this process
-    reports, or an exit status (the launcher's; 0 on ranks other than 0)."""
+    then one process trains alone (`k3.train.pretrain.train`), or under torchrun (``WORLD_SIZE`` set) this process
+    trains its rank, or with ``nproc`` > 1 it launches torchrun on ``argv``. Returns the run whose result this
+    process reports, or an exit status (the launcher's; 0 on ranks other than 0)."""
     world = int(os.environ.get("WORLD_SIZE", nproc or 1))  # torchrun sets WORLD_SIZE on every rank
     if nproc is not None and nproc != world:
         raise ValueError(f"--nproc {nproc} disagrees with WORLD_SIZE={world} set by the launcher")

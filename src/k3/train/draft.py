@@ -1,7 +1,7 @@
 """Training the EAGLE-3 draft (SPEC §8): ``k3 train-draft --ckpt TARGET --out DIR``.
 
 The target (`k3.model.checkpoint.load_model`) is frozen. Each step takes a packed batch of ``seq_len`` tokens
-from the training corpus (the loader and corpus of `k3.train.loop`, `k3.train.data`), runs the target once under
+from the training corpus (the loader and corpus of `k3.train.pretrain`, `k3.train.data`), runs the target once under
 `K3ForCausalLM.capture` for its three features and its logits, then the *training-time test*: ``unroll`` (7) draft
 passes over the window, each causal over the whole window (`unroll`):
 
@@ -21,15 +21,12 @@ as EAGLE-3. AdamW, linear warmup then cosine decay (`k3.train.optim.lr_lambda`),
 ``metrics.jsonl`` gets per step the loss, each step's loss and its acceptance estimate (the mean of
 ``Σ min(p, q)``). Checkpoints ``DIR/step-NNNNNNN`` hold the draft (`EagleDraft.write`), ``train.json`` and the
 training state as data (`k3.train.state_codec`: optimiser, scheduler, loader position, RNG); a resumed run
-continues exactly.
+continues exactly. The loop is `k3.train.driver.drive`'s, the run directory `k3.train.rundir`'s.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
-import sys
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,13 +35,16 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from k3.files import write_text
 from k3.model import checkpoint as model_ckpt
-from k3.model.checkpoint import LATEST, atomic_directory, verified, write_text, writing
+from k3.model.checkpoint import atomic_directory, verified
 from k3.model.draft import DRAFT_CONFIG, DRAFT_WEIGHTS, DraftConfig, EagleDraft
 from k3.model.lm import K3ForCausalLM
 from k3.train import checkpoint as train_ckpt
 from k3.train.data import PackedLoader, load_documents, split_documents, stdlib_documents, tokenize_documents
-from k3.train.optim import lr_lambda
+from k3.train.driver import Loop, Stage, check_counts, drive
+from k3.train.optim import apply_step, lr_lambda
+from k3.train.rundir import Metrics, open_run
 
 #: Fields a resumed run may change; any other must equal the checkpoint's.
 RESUMABLE_CHANGES = ("ckpt", "out", "steps", "max_minutes", "ckpt_every", "log_every", "eval_batches", "threads",
@@ -84,18 +84,14 @@ class DraftTrainConfig:
     progress: bool = True
 
     def validate(self) -> DraftTrainConfig:
-        for name in ("steps", "seq_len", "batch_size", "unroll", "ckpt_every", "log_every", "eval_batches"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"train-draft.{name} = {value!r} is invalid: must be a positive integer")
+        check_counts(self, "train-draft", ("steps", "seq_len", "batch_size", "unroll", "ckpt_every", "log_every",
+                                           "eval_batches"))
         if self.seq_len < self.unroll + 1:
             raise ValueError(f"train-draft.seq_len = {self.seq_len} is invalid: the {self.unroll}-step unroll needs "
                              f"at least {self.unroll + 1} tokens")
         if not 0 < self.step_weight <= 1 or not self.lr > 0 or not self.clip_grad > 0:
             raise ValueError(f"train-draft: need 0 < step_weight <= 1, lr > 0, clip_grad > 0; got "
                              f"{self.step_weight}, {self.lr}, {self.clip_grad}")
-        if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
-            raise ValueError(f"train-draft.threads = {self.threads!r} is invalid: a positive integer or None")
         return self
 
     def draft_config(self, num_layers: int) -> DraftConfig:
@@ -165,26 +161,29 @@ def verify_checkpoint(ckpt: Path) -> None:
         verified(ckpt, name)
 
 
-class DraftRun:
+class DraftRun(Stage):
     """One draft training run: the frozen target, data, draft, optimiser; `step()` advances one optimiser step."""
 
     def __init__(self, config: DraftTrainConfig) -> None:
         self.config = config.validate()
         self.out = Path(config.out)
-        self.metrics_path = self.out / "metrics.jsonl"
+        self.metrics = Metrics(self.out / "metrics.jsonl")
         self.target, self.tokenizer = model_ckpt.load_model(Path(config.ckpt))
         self.target.requires_grad_(False)
         self.draft_config = config.draft_config(self.target.config.num_layers)  # refused before any data is read
         self.step_index = 0
 
+    @property
+    def loop(self) -> Loop:
+        """No evaluation inside the loop (``k3 train-draft`` reports one at the end)."""
+        cfg = self.config
+        return Loop(cfg.steps, cfg.ckpt_every, log_every=cfg.log_every, max_minutes=cfg.max_minutes,
+                    threads=cfg.threads, progress=cfg.progress)
+
     def prepare(self, resume: bool) -> None:
         """Data, draft and optimiser; from the newest checkpoint in ``out`` with ``resume``."""
         cfg = self.config
-        self.out.mkdir(parents=True, exist_ok=True)
-        if not resume and (model_ckpt.checkpoints(self.out) or (self.out / LATEST).exists()):
-            raise ValueError(f"{self.out} already holds a draft checkpoint; pass --resume to continue it or choose "
-                             f"another --out")
-        existing = model_ckpt.latest_checkpoint(self.out, verify_checkpoint) if resume else None
+        existing = open_run(self.out, resume, verify_checkpoint)
         docs = load_documents(cfg.data) if cfg.data else stdlib_documents(cfg.data_limit_bytes)
         train_docs, val_docs = split_documents(docs, cfg.val_fraction, cfg.seed)
         train_tokens = tokenize_documents(self.tokenizer, train_docs)
@@ -204,16 +203,10 @@ class DraftRun:
             self.optimizer, lambda step: lr_lambda(step, cfg.steps, cfg.warmup_frac, cfg.min_lr_ratio))
         if existing is not None:
             self._restore(existing)
-        else:
-            self.metrics_path.write_text("")
+        self.metrics.start(None if existing is None else self.step_index)
 
     def _restore(self, path: Path) -> None:
-        saved = train_ckpt.read_train(path)
-        requested = json.loads(json.dumps(asdict(self.config)))  # as JSON stores it (tuples become lists)
-        for key, value in requested.items():
-            if key not in RESUMABLE_CHANGES and saved.get(key) != value:
-                raise ValueError(f"{path / 'train.json'}: field {key!r} is {saved.get(key)!r} in the checkpoint but "
-                                 f"{value!r} was requested")
+        train_ckpt.check_resumable(path, asdict(self.config), RESUMABLE_CHANGES)
         state = train_ckpt.load_state(path)
         try:
             self.optimizer.load_state_dict(state["optimizer"])
@@ -224,24 +217,18 @@ class DraftRun:
         except (KeyError, ValueError, TypeError, RuntimeError) as err:
             raise ValueError(f"{path / train_ckpt.STATE_JSON}: does not match this run ({type(err).__name__}: "
                              f"{err})") from err
-        lines = self.metrics_path.read_text().splitlines() if self.metrics_path.exists() else []
-        kept = [line for line in lines if line.strip() and _logged_step(line) <= self.step_index]
-        self.metrics_path.write_text("".join(line + "\n" for line in kept))
 
     def save(self) -> Path:
-        """Checkpoint ``step-NNNNNNN`` written atomically; ``latest`` names it; older ones beyond two are pruned."""
+        """Checkpoint ``step-NNNNNNN`` written atomically and published (`k3.train.checkpoint.publish`: ``latest``
+        names it, older ones beyond two are pruned)."""
         final = self.out / f"step-{self.step_index:07d}"
         state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                  "loader": self.loader.state_dict(), "rng": torch.get_rng_state(), "step": self.step_index}
         with atomic_directory(final) as tmp:
             self.draft.write(tmp)
-            with writing(tmp / "train.json") as path:
-                path.write_text(json.dumps(asdict(self.config), indent=2))
+            write_text(tmp / "train.json", json.dumps(asdict(self.config), indent=2))
             train_ckpt.write_state(tmp, state)
-        write_text(self.out / LATEST, final.name)
-        for old in model_ckpt.checkpoints(self.out)[:-2]:
-            if old != final:
-                shutil.rmtree(old, ignore_errors=True)
+        train_ckpt.publish(self.out, final)
         return final
 
     def overlaps(self, inputs: Tensor) -> list[Tensor]:
@@ -258,10 +245,7 @@ class DraftRun:
         loss = unroll_loss(overlaps, cfg.step_weight)
         loss.backward()
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.draft.parameters(), cfg.clip_grad))
-        lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
+        lr = apply_step([self.optimizer], [self.scheduler])
         self.step_index += 1
         return {"step": self.step_index, "loss": loss.item(), "lr": lr, "grad_norm": grad_norm,
                 "tokens": inputs.numel(), "step_loss": [-o.mean().item() for o in overlaps],
@@ -286,16 +270,8 @@ class DraftRun:
             totals += torch.tensor([o.exp().mean().item() for o in self.overlaps(inputs)], dtype=torch.float64)
         return (totals / batches).tolist()
 
-    def log(self, record: dict[str, Any]) -> None:
-        with writing(self.metrics_path) as path, path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
-
-
-def _logged_step(line: str) -> int:
-    try:
-        return int(json.loads(line)["step"])
-    except (ValueError, KeyError, TypeError):
-        return sys.maxsize  # a line cut short by a crash: dropped with the steps after the checkpoint
+    def postfix(self, record: dict[str, Any]) -> dict[str, object]:
+        return {"loss": f"{record['loss']:.3f}", "accept1": f"{record['acceptance'][0]:.2f}"}
 
 
 def expected_accepted(acceptance: list[float]) -> float:
@@ -308,34 +284,9 @@ def expected_accepted(acceptance: list[float]) -> float:
 
 
 def train_draft(config: DraftTrainConfig, resume: bool = False) -> DraftRun:
-    """Run (or continue) draft training; checkpoints every ``ckpt_every`` steps, at the end and when
-    ``max_minutes`` runs out."""
+    """Run (or continue) draft training (`k3.train.driver.drive`); checkpoints every ``ckpt_every`` steps, at the
+    end and when ``max_minutes`` runs out."""
     run = DraftRun(config)
     run.prepare(resume)
-    threads = torch.get_num_threads()
-    if config.threads is not None:
-        torch.set_num_threads(config.threads)
-    bar = None
-    if config.progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=config.steps, initial=run.step_index, unit="step", dynamic_ncols=True, file=sys.stderr)
-    deadline = None if config.max_minutes is None else time.time() + 60 * config.max_minutes
-    try:
-        while run.step_index < config.steps:
-            record = run.step()
-            out_of_time = deadline is not None and time.time() >= deadline
-            if run.step_index % config.log_every == 0 or run.step_index == config.steps:
-                run.log(record)
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(loss=f"{record['loss']:.3f}", accept1=f"{record['acceptance'][0]:.2f}")
-            if run.step_index % config.ckpt_every == 0 or run.step_index == config.steps or out_of_time:
-                run.save()
-            if out_of_time:
-                break
-    finally:
-        torch.set_num_threads(threads)
-        if bar is not None:
-            bar.close()
+    drive(run)
     return run

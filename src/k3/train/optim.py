@@ -16,7 +16,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -363,3 +363,15 @@ def schedulers(optimizers: list[torch.optim.Optimizer], total_steps: int, optim:
     """One `LambdaLR` per optimiser following `lr_lambda`."""
     fn = partial(lr_lambda, total_steps=total_steps, warmup_frac=optim.warmup_frac, min_lr_ratio=optim.min_lr_ratio)
     return [LambdaLR(opt, fn) for opt in optimizers]
+
+
+def apply_step(optimizers: Sequence[torch.optim.Optimizer], schedulers: Sequence[LambdaLR] = ()) -> float:
+    """The update of an optimiser step (SPEC §7), its gradients already clipped: every optimiser steps and drops
+    its gradients, then every scheduler advances; returns the learning rate the step used (the first group's)."""
+    lr = optimizers[0].param_groups[0]["lr"]
+    for opt in optimizers:
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    for sched in schedulers:
+        sched.step()
+    return lr

@@ -31,8 +31,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from k3.config import K3Config
 from k3.dist.fsdp import local_rows, local_shard
-from k3.model.checkpoint import (LATEST, MANIFEST, SHARDED, atomic_directory, latest_checkpoint, read_config,
-                                 verified, write_config, write_manifest, write_model, write_text)
+from k3.model.checkpoint import (MANIFEST, SHARDED, atomic_directory, latest_checkpoint, read_config, verified,
+                                 write_config, write_manifest, write_model)
 from k3.model.lm import K3ForCausalLM
 from k3.train import checkpoint as ckpt
 from k3.train.optim import OptimConfig, build_optimizers
@@ -108,8 +108,8 @@ def _copy_back(loaded: dict[str, Any], state: dict[str, Any], experts: ExpertSha
 def save(out: Path, step: int, model: nn.Module, optimizers: list[torch.optim.Optimizer], config: K3Config,
          train: dict[str, Any], tokenizer_dir: Path, state: dict[str, Any], experts: ExpertShards | None = None,
          keep: int = 2) -> Path:
-    """Write sharded checkpoint ``step`` under ``out`` on every rank (a collective); rank 0 writes the small files,
-    publishes the directory and moves ``latest``, then prunes to ``keep``."""
+    """Write sharded checkpoint ``step`` under ``out`` on every rank (a collective); rank 0 writes the small files
+    (each through `k3.files.atomic_write`), renames the directory and `k3.train.checkpoint.publish`es it."""
     main = not dist.is_initialized() or dist.get_rank() == 0
     final = out / f"step-{step:07d}"
     tmp = final.with_name(final.name + ".tmp")
@@ -128,8 +128,7 @@ def save(out: Path, step: int, model: nn.Module, optimizers: list[torch.optim.Op
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)
-        write_text(out / LATEST, final.name)
-        ckpt.prune(out, keep, final.name)
+        ckpt.publish(out, final, keep)
     _barrier()
     return final
 

@@ -1,8 +1,8 @@
-"""The training loop (SPEC §5, §7): curriculum, accumulation, clipping, balancing, validation, checkpoints.
+"""Pretraining (SPEC §5, §7): curriculum, accumulation, clipping, balancing, validation, checkpoints.
 
-`train(config)` runs (or resumes) a run in ``config.out`` and writes there ``metrics.jsonl`` (one JSON
-object per logged step), ``curves.png`` and checkpoints. A resumed run continues exactly: the loss
-sequence equals the uninterrupted run's (the data-loader position, optimiser, scheduler, balancing
+`train(config)` runs (or resumes) a run in ``config.out`` (`k3.train.driver`, `k3.train.rundir`) and writes there
+``metrics.jsonl`` (one JSON object per logged step), ``curves.png`` and checkpoints. A resumed run continues exactly:
+the loss sequence equals the uninterrupted run's (the data-loader position, optimiser, scheduler, balancing
 biases and RNG states are all in the checkpoint).
 """
 
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
 import sys
 import time
@@ -30,6 +29,7 @@ from k3.train import checkpoint as ckpt
 from k3.train import multimodal, sharded
 from k3.model import checkpoint as model_ckpt
 from k3.train.balance import QuantileBalancer
+from k3.train.driver import Loop, Stage, check_counts, drive
 from k3.train.data import (
     PackedLoader,
     eval_batches,
@@ -39,8 +39,8 @@ from k3.train.data import (
     stdlib_documents,
     tokenize_documents,
 )
-from k3.train.optim import OptimConfig, build_optimizers, qk_clip_mla, schedulers
-from k3.train.threads import CoreShare
+from k3.train.optim import OptimConfig, apply_step, build_optimizers, qk_clip_mla, schedulers
+from k3.train.rundir import Metrics, Panel, open_run
 from k3.tokenization.bpe import Tokenizer
 
 
@@ -139,13 +139,8 @@ class TrainConfig:
             raise ValueError(f"train.model: {err}") from err
 
     def validate(self) -> TrainConfig:
-        for name in ("steps", "tokens_per_step", "grad_accum", "eval_every", "ckpt_every", "log_every",
-                     "eval_batches", "eval_seq_len", "multimodal_batch"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"train.{name} = {value!r} is invalid: must be a positive integer")
-        if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
-            raise ValueError(f"train.threads = {self.threads!r} is invalid: a positive integer, or None to adapt")
+        check_counts(self, "train", ("steps", "tokens_per_step", "grad_accum", "eval_every", "ckpt_every", "log_every",
+                                     "eval_batches", "eval_seq_len", "multimodal_batch"))
         model = self.model_config()
         if self.multimodal and not model.vision.enabled:
             raise ValueError("train.multimodal needs a model with a vision encoder (vision.enabled = true)")
@@ -195,7 +190,7 @@ def _rng_state() -> dict[str, Any]:
 TRAINING_COPIES = 4
 
 
-class Run:
+class Run(Stage):
     """One training run: model, data, optimisers, balancer, logging; `step()` advances one optimiser step."""
 
     def __init__(self, config: TrainConfig) -> None:
@@ -208,10 +203,20 @@ class Run:
         self.model = K3ForCausalLM(self.model_config)
         self.step_index = 0
         self.last_val_loss: float | None = None
-        self.metrics_path = self.out / "metrics.jsonl"
-        self.writes = True  # this process writes the run's files (in a distributed run, rank 0 alone)
+        self.metrics = Metrics(self.out / "metrics.jsonl")
         self.device = torch.device("cpu")
         self.context = None  # context parallelism's mixers (`k3.dist.context.ContextParallel`) in a distributed run
+
+    @property
+    def writes(self) -> bool:
+        """Whether this process writes the run's files (in a distributed run, rank 0 alone)."""
+        return self.metrics.writes
+
+    @property
+    def loop(self) -> Loop:
+        cfg = self.config
+        return Loop(cfg.steps, cfg.ckpt_every, eval_every=cfg.eval_every, log_every=cfg.log_every,
+                    max_minutes=cfg.max_minutes, threads=cfg.threads, adapt_threads=True, progress=cfg.progress)
 
     # ---------------------------------------------------------------- setup
     def prepare(self, resume: bool) -> None:
@@ -223,19 +228,12 @@ class Run:
         self.balancer = None if mode == "none" else QuantileBalancer(self.model, mode=mode)
         if existing is not None:
             self._restore(existing)
-        elif self.writes:
-            self.metrics_path.write_text("")
+        self.metrics.start(None if existing is None else self.step_index)
 
     def prepare_data(self, resume: bool) -> Path | None:
         """Tokenizer (the checkpoint's, the run's, or trained), tokenized data and loader; returns the checkpoint
         to resume from, if any."""
-        self.out.mkdir(parents=True, exist_ok=True)
-        found = model_ckpt.checkpoints(self.out)
-        if not resume and (found or (self.out / model_ckpt.LATEST).exists()):
-            names = ", ".join(p.name for p in found) or model_ckpt.LATEST
-            raise ValueError(f"{self.out} already holds a checkpoint ({names}); pass --resume to continue it "
-                             f"or choose another --out")
-        existing = model_ckpt.latest_checkpoint(self.out, sharded.verify_any) if resume else None
+        existing = open_run(self.out, resume, sharded.verify_any)
         train_docs, val_docs = _documents(self.config)
         self.tok_dir = self.out / "tokenizer"
         if existing is not None:  # the checkpoint's own tokenizer is authoritative
@@ -309,8 +307,6 @@ class Run:
             torch.set_rng_state(state["rng"]["torch"])
         except (KeyError, ValueError, TypeError, RuntimeError) as err:
             raise ValueError(f"{ckpt.state_file(path)}: does not match this run ({type(err).__name__}: {err})") from err
-        if self.writes:
-            self._truncate_metrics()
 
     def _load_sharded(self, path: Path) -> None:
         """Weights and optimiser states from a sharded checkpoint (written by a distributed run)."""
@@ -319,22 +315,6 @@ class Run:
     def _load_single(self, path: Path, state: dict[str, Any]) -> None:
         """Weights and optimiser states from a single-process checkpoint."""
         ckpt.load_single(path, self.model, self.optimizers, state)
-
-    def _truncate_metrics(self) -> None:
-        """Drop the metrics logged after the restored step (they belong to the interrupted attempt), and a
-        last line cut short by a crash; any other unreadable line is an error naming the file and line."""
-        lines = self.metrics_path.read_text().splitlines() if self.metrics_path.exists() else []
-        kept = []
-        for number, line in enumerate(lines, 1):
-            try:
-                step = json.loads(line)["step"] if line.strip() else None
-            except (ValueError, KeyError, TypeError) as err:
-                if number == len(lines):
-                    break
-                raise ValueError(f"{self.metrics_path}: line {number} is not a metrics record ({err})") from err
-            if step is not None and step <= self.step_index:
-                kept.append(line)
-        self.metrics_path.write_text("".join(line + "\n" for line in kept))
 
     def train_state(self) -> dict[str, Any]:
         """What a checkpoint keeps beside the model and optimiser tensors: schedulers, loader position, RNG, step."""
@@ -386,7 +366,7 @@ class Run:
 
     def step(self) -> dict[str, Any]:
         """One optimiser step over ``grad_accum`` micro-batches; returns the step's metrics."""
-        cfg = self.config
+        cfg, start = self.config, time.time()
         if cfg.stage(self.step_index) != self.stage:
             self.train_loader = self._loader()
         length = self.train_loader.seq_len
@@ -399,12 +379,7 @@ class Run:
         loss = self._accumulate(batches)
         tokens = sum(inputs.numel() for inputs, *_ in batches)
         grad_norm = self.clip_gradients(cfg.clip_grad)
-        lr = self.optimizers[0].param_groups[0]["lr"]
-        for opt in self.optimizers:
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        for sched in self.schedulers:
-            sched.step()
+        lr = apply_step(self.optimizers, self.schedulers)
         record: dict[str, Any] = {"step": self.step_index + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                                   "seq_len": length, "tokens": tokens}
         if self.balancer is not None:
@@ -418,6 +393,7 @@ class Run:
                     qk_clip_mla(layer, layer.max_logits, clip)
                 layer.record_max_logits, layer.max_logits = False, None
         self.step_index += 1
+        record["tokens_per_s"] = tokens / max(time.time() - start, 1e-9)
         return record
 
     def clip_gradients(self, max_norm: float) -> float:
@@ -451,96 +427,34 @@ class Run:
             raise ValueError("validation data has no supervised positions")
         return total / count
 
+    def evaluation(self) -> dict[str, Any]:
+        """Validation loss and perplexity; with ``multimodal``, the colour accuracy of the image examples."""
+        self.last_val_loss = self.evaluate()
+        record = {"val_loss": self.last_val_loss, "val_ppl": math.exp(min(self.last_val_loss, 50))}
+        if self.config.multimodal:
+            record["colour_accuracy"] = multimodal.colour_accuracy(self.model, self.tokenizer)
+        return record
+
+    def postfix(self, record: dict[str, Any]) -> dict[str, object]:
+        return {"loss": f"{record['loss']:.3f}", "tok_s": f"{record['tokens_per_s']:.0f}", "seq": record["seq_len"],
+                "threads": record["threads"]}
+
     def log(self, record: dict[str, Any]) -> None:
-        try:
-            with self.metrics_path.open("a") as f:
-                f.write(json.dumps(record) + "\n")
-        except OSError as err:
-            raise OSError(f"cannot write {self.metrics_path}: {err}") from err
+        self.metrics.log(record)
+
+
+#: ``curves.png``: loss (train and validation), learning rate and expert load over steps.
+PANELS: tuple[Panel, ...] = (
+    ("loss", (("loss", "train"), ("val_loss", "validation"))),
+    ("learning rate (Muon group)", (("lr", "learning rate"),)),
+    ("expert load", (("load_max_mean", "max / mean (worst layer)"), ("load_idle", "idle experts (all layers)"))))
 
 
 def train(config: TrainConfig, resume: bool = False) -> Run:
-    """Run (or continue) training; checkpoints every ``ckpt_every`` steps and at the end. Torch's thread
-    count is ``config.threads`` or adapted by `CoreShare` while it runs, and restored afterwards."""
+    """Run (or continue) training (`k3.train.driver.drive`): evaluations every ``eval_every`` steps, checkpoints
+    every ``ckpt_every`` steps, both at the end and when ``max_minutes`` runs out. Torch's thread count is
+    ``config.threads`` or adapted by `CoreShare` while it runs, and restored afterwards."""
     run = Run(config)
     run.prepare(resume)
-    threads = torch.get_num_threads()
-    try:
-        train_steps(run, config)
-    finally:
-        torch.set_num_threads(threads)
+    drive(run, PANELS)
     return run
-
-
-def train_steps(run: Run, config: TrainConfig) -> None:
-    share = CoreShare() if config.threads is None else None
-    if config.threads is not None:
-        torch.set_num_threads(config.threads)
-    start_time, start_step = time.time(), run.step_index
-    bar = None
-    if config.progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=config.steps, initial=run.step_index, unit="step", dynamic_ncols=True, file=sys.stderr)
-    deadline = None if config.max_minutes is None else start_time + 60 * config.max_minutes
-    while run.step_index < config.steps:
-        t0 = time.time()
-        record = run.step()
-        record["tokens_per_s"] = record["tokens"] / max(time.time() - t0, 1e-9)
-        record["threads"] = share.update() if share is not None else config.threads
-        out_of_time = deadline is not None and time.time() >= deadline
-        if run.step_index % config.eval_every == 0 or run.step_index == config.steps or out_of_time:
-            record["val_loss"] = run.last_val_loss = run.evaluate()
-            record["val_ppl"] = math.exp(min(record["val_loss"], 50))
-            if config.multimodal:
-                record["colour_accuracy"] = multimodal.colour_accuracy(run.model, run.tokenizer)
-        if run.step_index % config.log_every == 0 or "val_loss" in record:
-            run.log(record)
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}",
-                            seq=record["seq_len"], threads=record["threads"])
-        if run.step_index % config.ckpt_every == 0 or run.step_index == config.steps or out_of_time:
-            run.save()
-        if out_of_time:
-            break
-    if bar is not None:
-        bar.close()
-    if run.step_index > start_step and run.writes:
-        plot_metrics(run.metrics_path, run.out / "curves.png")
-
-
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def plot_metrics(metrics: Path, png: Path) -> None:
-    """Loss (train and validation), learning rate and expert load over steps, as one PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = read_metrics(metrics)
-    if not rows:
-        return
-    steps = [r["step"] for r in rows]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    axes[0].plot(steps, [r["loss"] for r in rows], label="train")
-    val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
-    if val:
-        axes[0].plot(*zip(*val), "o-", label="validation")
-    axes[0].set(title="loss", xlabel="step")
-    axes[0].legend()
-    axes[1].plot(steps, [r["lr"] for r in rows])
-    axes[1].set(title="learning rate (Muon group)", xlabel="step")
-    if "load_max_mean" in rows[0]:
-        axes[2].plot(steps, [r["load_max_mean"] for r in rows], label="max / mean (worst layer)")
-        axes[2].plot(steps, [r["load_idle"] for r in rows], label="idle experts (all layers)")
-        axes[2].legend()
-    axes[2].set(title="expert load", xlabel="step")
-    fig.tight_layout()
-    tmp = png.with_name(png.name + ".tmp.png")
-    fig.savefig(tmp, dpi=100)
-    plt.close(fig)
-    tmp.replace(png)

@@ -1,0 +1,79 @@
+"""k3.files: the one crash-safe writer — a file is replaced whole or not at all, a failure leaves no temporary file,
+errors name the target, permissions follow the umask as ``open()``'s do, and writers that take a filename work."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from k3.files import atomic_write, write_bytes, write_text
+
+
+def test_content_is_replaced_whole(tmp_path):
+    path = tmp_path / "f.txt"
+    write_text(path, "a much longer old content\n" * 100)
+    write_text(path, "new")
+    assert path.read_text() == "new"
+    write_bytes(path, b"\x00\xff")
+    assert path.read_bytes() == b"\x00\xff"
+    assert os.listdir(tmp_path) == ["f.txt"]  # no temporary file left beside it
+
+
+def test_a_failure_inside_the_block_leaves_the_old_file_and_no_temporary(tmp_path):
+    path = tmp_path / "f.txt"
+    path.write_text("old")
+    with pytest.raises(RuntimeError, match="boom"):
+        with atomic_write(path) as tmp:
+            assert tmp.parent == tmp_path and tmp != path
+            tmp.write_text("half of the new")
+            raise RuntimeError("boom")
+    assert path.read_text() == "old" and os.listdir(tmp_path) == ["f.txt"]
+    with pytest.raises(OSError, match=re.escape(f"cannot write {path}: disk on fire")):  # names the target
+        with atomic_write(path) as tmp:
+            tmp.write_text("half")
+            raise OSError("disk on fire")
+    assert path.read_text() == "old" and os.listdir(tmp_path) == ["f.txt"]
+
+
+@pytest.mark.parametrize("where", ["missing directory", "parent is a file", "target is a directory"])
+def test_an_unwritable_path_is_an_oserror_naming_it(tmp_path, where):
+    (tmp_path / "file").write_text("")
+    (tmp_path / "dir").mkdir()
+    path = {"missing directory": tmp_path / "missing" / "f.txt", "parent is a file": tmp_path / "file" / "f.txt",
+            "target is a directory": tmp_path / "dir"}[where]
+    with pytest.raises(OSError, match=re.escape(f"cannot write {path}: ")):
+        write_text(path, "x")
+    assert sorted(os.listdir(tmp_path)) == ["dir", "file"] and os.listdir(tmp_path / "dir") == []
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])
+def test_permissions_follow_the_umask_as_open_does(tmp_path, umask):
+    old = os.umask(umask)
+    try:
+        write_text(tmp_path / "atomic", "x")
+        with open(tmp_path / "plain", "w") as f:
+            f.write("x")
+    finally:
+        os.umask(old)
+    mode = (tmp_path / "atomic").stat().st_mode & 0o777
+    assert mode == (tmp_path / "plain").stat().st_mode & 0o777 == 0o666 & ~umask
+
+
+def test_a_writer_taking_a_filename(tmp_path):
+    path = tmp_path / "t.safetensors"
+    tensors = {"a": torch.arange(6.0).reshape(2, 3), "b": torch.ones(4, dtype=torch.int64)}
+    with atomic_write(path) as tmp:
+        save_file(tensors, str(tmp))
+    loaded = load_file(path)
+    assert loaded.keys() == tensors.keys() and all(torch.equal(loaded[k], tensors[k]) for k in tensors)
+    assert os.listdir(tmp_path) == ["t.safetensors"]
+
+
+def test_paths_may_be_strings(tmp_path):
+    write_text(str(tmp_path / "s.txt"), "ok")
+    assert Path(tmp_path / "s.txt").read_text() == "ok"
