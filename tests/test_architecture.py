@@ -175,6 +175,13 @@ def _rule(source: str, target: str) -> str | None:
     return None
 
 
+def test_the_tests_mirror_the_source_tree():
+    """Each test folder is named after the package of ``src/k3`` whose modules it tests."""
+    tests = Path(__file__).resolve().parent
+    folders = [d for d in tests.rglob("*") if d.is_dir() and not d.name.startswith((".", "__"))]
+    assert folders and [d for d in folders if not (SRC / "k3" / d.relative_to(tests)).is_dir()] == []
+
+
 def test_the_tree_keeps_the_design_rules():
     modules = scan(SRC)
     assert len(modules) > 100 and "k3.serve.engine.core" in modules

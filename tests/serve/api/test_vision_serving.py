@@ -20,7 +20,7 @@ from k3.serve.api.app import BackgroundServer, create_app
 from k3.serve.engine.cache import PrefixCache
 from k3.serve.engine import Engine
 from k3.serve.asgi.guard import Limits
-from test_api import MODEL
+from http_api import MODEL
 
 
 def _data_url(image: Image.Image, fmt: str = "PNG") -> str:

@@ -13,12 +13,10 @@ import openai
 import pytest
 
 import serving
+from http_api import HELLO, MODEL, TOOLS, raw, scripted_server
 from k3.chat import native as chat
 from k3.serve.api.app import BackgroundServer, create_app
 from k3.serve.engine import Engine
-
-MODEL = "k3-tiny"
-HELLO = [{"role": "user", "content": "def load(path):"}]
 
 
 @pytest.fixture(scope="module")
@@ -37,18 +35,6 @@ def server(engine):
 @pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-def raw(url: str, method: str, path: str, body: bytes | None = None,
-        headers: dict | None = None) -> tuple[int, dict]:
-    """One HTTP request with the standard library; returns (status, JSON body)."""
-    parts = urlparse(url)
-    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
-    conn.request(method, path, body=body, headers={"content-type": "application/json", **(headers or {})})
-    response = conn.getresponse()
-    status, data = response.status, json.loads(response.read() or b"null")
-    conn.close()
-    return status, data
 
 
 def wait_idle(engine: Engine, seconds: float = 10) -> None:
@@ -242,18 +228,6 @@ def test_api_key(engine):
         good = openai.OpenAI(base_url=server.url + "/v1", api_key="sesame", max_retries=0)
         assert good.models.list().data[0].id == MODEL
         assert raw(server.url, "GET", "/health")[0] == 200
-
-
-def scripted_server(script_text: list[str | int], fail_after: int | None = None):
-    """A server whose model emits ``script_text`` (text pieces and special ids) after HELLO's thinking prompt."""
-    tok = serving.tokenizer()
-    script = [t for piece in script_text for t in ([piece] if isinstance(piece, int) else tok.encode(piece))]
-    start = len(chat.render(HELLO, tok, "thinking", tools=TOOLS))
-    engine = Engine(serving.Scripted(start, script, fail_after), tok).start()
-    return engine, BackgroundServer(create_app(engine, MODEL))
-
-
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
 
 
 def test_tool_calls_and_reasoning_from_generated_channels():

@@ -16,7 +16,7 @@ import serving
 from k3.chat import native as chat
 from k3.serve.api.app import BackgroundServer, create_app
 from k3.serve.engine import Engine
-from test_api import HELLO, MODEL, TOOLS, raw
+from http_api import HELLO, MODEL, TOOLS, raw
 
 PROMPT = "def load(path):\n    with open(path) as f:"
 
@@ -180,7 +180,7 @@ def effects(route: str) -> dict[str, tuple[dict, dict]]:
 
 
 # Honoured without a visible difference in one greedy response, each tested on its own elsewhere in this file or in
-# tests/test_sampling_controls.py / tests/test_structured_api.py: sampling restrictions (checked below against
+# tests/serve/engine/test_sampling_controls.py / tests/serve/api/test_structured_api.py: sampling restrictions (checked below against
 # greedy), best_of, parallel_tool_calls, streaming, and `user` (an id for the operator's records, by design).
 SAMPLING_LIMITS = {"top_k": 1, "top_p": 1e-9, "min_p": 1.0}
 ELSEWHERE = {"seed", "best_of", "parallel_tool_calls", "stream", "stream_options", "user"}
@@ -243,7 +243,7 @@ def test_ignore_eos_and_skip_special_tokens_in_completions(server):
 
 # ---------------------------------------------------------------------------------------------- reasoning, CORS, models
 def test_reasoning_in_content_per_request_and_by_default():
-    from test_api import scripted_server
+    from http_api import scripted_server
 
     tok = serving.tokenizer()
     engine, server = scripted_server(["Let me think.", tok.special_id("response"), "Done.", tok.special_id("end")])

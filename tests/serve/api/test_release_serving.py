@@ -18,7 +18,7 @@ from k3.model.lm import K3ForCausalLM
 from k3.chat import xtml
 from kimi_fixtures import build_kimi_tokenizer_files
 from release_fixture import write_release
-from test_serve_cli import free_port
+from gloo import free_port
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import pytest
 import serving
 from k3.serve.api.app import BackgroundServer, create_app
 from k3.serve.engine import Engine
-from test_api import MODEL, raw
+from http_api import MODEL, raw
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"], "properties": {
     "name": {"type": "string", "maxLength": 6}, "age": {"type": "integer", "minimum": 0, "maximum": 150},

@@ -17,6 +17,7 @@ import openai
 import pytest
 
 import serving
+from gloo import free_port
 from k3.cli import main
 from k3.model.checkpoint import load_model, save_model
 
@@ -33,12 +34,6 @@ def test_save_model_round_trip(ckpt):
     assert tok == serving.tokenizer()
     for (name, a), (_, b) in zip(model.state_dict().items(), reference.state_dict().items(), strict=True):
         assert a.equal(b), name
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(ckpt, *flags: str) -> tuple[subprocess.Popen, int]:
