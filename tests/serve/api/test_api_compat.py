@@ -180,8 +180,9 @@ def effects(route: str) -> dict[str, tuple[dict, dict]]:
 
 
 # Honoured without a visible difference in one greedy response, each tested on its own elsewhere in this file or in
-# tests/serve/engine/test_sampling_controls.py / tests/serve/api/test_structured_api.py: sampling restrictions (checked below against
-# greedy), best_of, parallel_tool_calls, streaming, and `user` (an id for the operator's records, by design).
+# tests/serve/engine/test_sampling_controls.py / tests/serve/api/test_structured_api.py: sampling restrictions
+# (checked below against greedy), best_of, parallel_tool_calls, streaming, and `user` (an id for the operator's
+# records, by design).
 SAMPLING_LIMITS = {"top_k": 1, "top_p": 1e-9, "min_p": 1.0}
 ELSEWHERE = {"seed", "best_of", "parallel_tool_calls", "stream", "stream_options", "user"}
 

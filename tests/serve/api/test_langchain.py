@@ -43,7 +43,8 @@ def test_with_structured_output_returns_a_valid_object(llm, method):
 def test_json_mode_parses_into_the_schema():
     """json_mode promises a JSON object, not the schema (the prompt must ask for it): a model scripted to write
     the object, through the constrained route, parses into ``Verdict``. (That the constraint forces validity is
-    tested above and in tests/serve/engine/test_structured.py; free-form keys would not close in a test's token budget.)"""
+    tested above and in tests/serve/engine/test_structured.py; free-form keys would not close in a test's token
+    budget.)"""
     tok = serving.tokenizer()
     question = [{"role": "user", "content": "Answer in JSON."}]
     script = tok.encode(' {"ok": true,\n "colour": "blue"}') + [tok.special_id("end")]
