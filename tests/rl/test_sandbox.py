@@ -6,11 +6,13 @@ import io
 import json
 import os
 import socket
+import stat
 import subprocess
 import sys
 import tarfile
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -197,6 +199,16 @@ def test_network_is_unreachable(box):
             server.accept()
 
 
+def run_guarded(source: str) -> subprocess.CompletedProcess:
+    """``source`` run here, unsandboxed, the way `run_python` starts it without a network namespace."""
+    fd = sandbox._memory_file(source.encode())
+    try:
+        return subprocess.run(sandbox._python_argv(fd, guard=True), capture_output=True, text=True, timeout=30,
+                              pass_fds=(fd,))
+    finally:
+        os.close(fd)
+
+
 def test_the_fallback_network_guard_blocks_python_sockets():
     """Without a network namespace, Python code is guarded by an audit hook (run here unsandboxed)."""
     with socket.socket() as server:
@@ -204,14 +216,12 @@ def test_the_fallback_network_guard_blocks_python_sockets():
         server.listen()
         server.setblocking(False)
         port = server.getsockname()[1]
-        src = f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)\nprint('in')"
-        done = subprocess.run(sandbox._python_argv(src, guard=True), capture_output=True, text=True, timeout=30)
+        done = run_guarded(f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)\nprint('in')")
         assert done.returncode == 1 and "network access is disabled" in done.stderr
         with pytest.raises(BlockingIOError):
             server.accept()
-    ok = subprocess.run(sandbox._python_argv("import sys; print(sys.argv)", guard=True), capture_output=True,
-                        text=True, timeout=30)
-    assert ok.stdout == "['-c']\n"
+    ok = run_guarded("import sys\nprint(sys.argv, __name__, sorted(k for k in globals() if k.startswith('_k3')))")
+    assert ok.stdout == "['-c'] __main__ []\n"
 
 
 def test_fallback_without_namespaces_still_contains_processes(monkeypatch):
@@ -227,6 +237,132 @@ def test_fallback_without_namespaces_still_contains_processes(monkeypatch):
         assert (r.timed_out or r.returncode != 0) and time.monotonic() - start < 8.0
         assert "fork" in r.stderr.lower()  # the process limit was reached
     assert processes_with(marker) == []
+
+
+# ---------------------------------------------------------------------- escapes through /proc and the temp dir
+#: Reads, for the secret given on stdin, every command line, environment, open regular file and working directory
+#: listed in /proc, and every file in other sandboxes' roots; prints ``LEAK <where>`` for each place it shows.
+SNOOP = r"""import glob, os, stat, sys
+secret = sys.stdin.read().strip().encode()
+
+def read(path):
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        return b""
+    try:
+        return os.read(fd, 1 << 20) if stat.S_ISREG(os.fstat(fd).st_mode) else b""
+    except OSError:
+        return b""
+    finally:
+        os.close(fd)
+
+def listing(path):
+    try:
+        return [os.path.join(path, name) for name in os.listdir(path)]
+    except OSError:
+        return []
+
+pids = [p for p in os.listdir("/proc") if p.isdigit()]
+places = [f"/proc/{pid}/{name}" for pid in pids for name in ("cmdline", "environ")]
+places += [p for pid in pids for p in listing(f"/proc/{pid}/fd") + listing(f"/proc/{pid}/cwd")]
+places += glob.glob(os.path.join(os.path.dirname(os.path.dirname(os.getcwd())), "*", "root", "*"))
+places += ["/proc/1/environ", f"/proc/{os.getppid()}/environ"]
+for path in places:
+    if secret in read(path):
+        print("LEAK", path)
+if secret in repr(dict(os.environ)).encode():
+    print("LEAK os.environ")
+print("looked at", len(places), "places")
+"""
+#: A sandboxed program holding a secret in its source until a ``stop`` file appears in its root.
+HOLDER = """import os, time
+SECRET = {secret!r}
+open("ready", "w").close()
+while not os.path.exists("stop"):
+    time.sleep(0.02)
+"""
+
+
+def contained(namespaces: bool, monkeypatch) -> None:
+    """Run a test with namespaces or with the fallback containment (which keeps secrets only as root)."""
+    if not namespaces:
+        monkeypatch.setattr(sandbox, "_USE_NAMESPACES", False)
+        if not ROOT:
+            pytest.skip("without namespaces a non-root sandbox runs as the calling user and reads what it may")
+        interpreter = Path(os.path.realpath(sys.executable))
+        if any(not d.stat().st_mode & stat.S_IXOTH for d in interpreter.parents):
+            pytest.skip(f"without a mount namespace a dropped uid cannot reach {interpreter}")
+    elif "pid" not in isolation():
+        pytest.skip("this host grants no PID namespace")
+
+
+@pytest.mark.parametrize("namespaces", [True, False], ids=["namespaces", "fallback"])
+def test_a_sandbox_cannot_read_a_concurrent_sandboxs_source(namespaces, monkeypatch):
+    contained(namespaces, monkeypatch)
+    secret = f"k3secret{uuid.uuid4().hex}"
+    with Sandbox(Limits(wall_seconds=60)) as holder, Sandbox(SMALL) as snoop, ThreadPoolExecutor(1) as pool:
+        holder.write("notes.py", f"# {secret}\n")  # a file of its root too
+        held = pool.submit(holder.run_python, HOLDER.format(secret=secret))
+        deadline = time.monotonic() + 30
+        while not (holder.root / "ready").exists():
+            assert not held.done() and time.monotonic() < deadline, held.result() if held.done() else "not ready"
+            time.sleep(0.01)
+        try:
+            r = snoop.run_python(SNOOP, stdin=secret)
+        finally:
+            holder.write("stop", "")
+        assert held.result().returncode == 0, held.result().stderr
+    assert r.returncode == 0 and "looked at" in r.stdout, r.stderr
+    assert "LEAK" not in r.stdout, r.stdout
+
+
+#: The PIDs in /proc, the program's own, and whether a command line there holds the marker given on stdin.
+LIST_PROCESSES = """import json, os, sys
+marker = sys.stdin.read().encode()
+pids = sorted(int(p) for p in os.listdir("/proc") if p.isdigit())
+seen = [open(f"/proc/{p}/cmdline", "rb").read() for p in pids]
+print(json.dumps({"pids": pids, "me": os.getpid(), "marker": any(marker in c for c in seen)}))
+"""
+
+
+@pytest.mark.skipif("pid" not in isolation(), reason="without a PID namespace /proc lists the host's processes")
+def test_a_sandbox_lists_only_its_own_processes(box):
+    marker = f"k3mark{uuid.uuid4().hex}"
+    host = subprocess.Popen([sys.executable, "-c", f"import time; time.sleep(60)  # {marker}"])
+    try:
+        r = box.run_python(LIST_PROCESSES, stdin=marker)
+    finally:
+        host.kill()
+        host.wait()
+    assert r.returncode == 0, r.stderr
+    seen = json.loads(r.stdout)
+    assert not seen["marker"], seen
+    assert set(seen["pids"]) <= {1, seen["me"]}, seen  # the sandbox's init and the program, or nothing at all
+
+
+#: Starts a sandbox from a host process holding the secret in its environment and on its command line (as an
+#: ``--api-key`` flag puts it), as a trainer's would.
+PARENT = """import json, os, sys
+from k3.rl import sandbox
+sandbox._USE_NAMESPACES = sys.argv[1] == "namespaces"
+with sandbox.Sandbox() as box:
+    r = box.run_python(sys.argv[2], stdin=os.environ["K3_SANDBOX_SECRET"])
+print(json.dumps([r.returncode, r.stdout, r.stderr]))
+"""
+
+
+@pytest.mark.parametrize("namespaces", [True, False], ids=["namespaces", "fallback"])
+def test_the_host_environment_and_command_lines_do_not_leak(namespaces, monkeypatch):
+    contained(namespaces, monkeypatch)
+    secret = f"k3secret{uuid.uuid4().hex}"
+    env = {**os.environ, "K3_SANDBOX_SECRET": secret, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, "-c", PARENT, "namespaces" if namespaces else "fallback", SNOOP,
+                           f"--api-key={secret}"], capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 0, done.stderr
+    code, out, err = json.loads(done.stdout)
+    assert code == 0 and "looked at" in out, err
+    assert "LEAK" not in out, out
 
 
 def test_snapshot_restore_gives_back_exactly_the_old_files(box):
@@ -363,5 +499,10 @@ def test_bad_arguments_raise():
     with Sandbox() as b:
         with pytest.raises(ValueError, match="timeout"):
             b.run(["true"], timeout=0)
-        with pytest.raises(ValueError, match="too long"):
-            b.run_python("#" * 200_000)
+        with pytest.raises(TypeError, match="source"):
+            b.run_python(b"print(1)")
+
+
+def test_a_source_longer_than_a_command_line_argument_runs(box):
+    r = box.run_python("x = 0\n" + "x += 1\n" * 40_000 + "print(x)")  # 280 KB: more than one argv string holds
+    assert (r.returncode, r.stdout) == (0, "40000\n"), r.stderr

@@ -1,9 +1,10 @@
 """The sandbox supervisor (`k3.rl.sandbox`; SPEC §8): run as a script, ``python -I -S jail.py CONFIG ARGV...``.
 
 Trusted code, standard library only (it runs without site-packages): it isolates itself (mount, PID and network
-namespaces, a user namespace when not root, read-only mounts outside the sandbox root), starts a trusted init that
-drops privileges and resource-limits the program, relays the program's exit status, and kills and reaps every
-process the program left. `k3.rl.sandbox` documents what each feature enforces.
+namespaces, a user namespace when not root, read-only mounts outside the sandbox root, other sandboxes' roots
+covered), starts a trusted init that mounts the PID namespace's own /proc, drops privileges and resource-limits the
+program, relays the program's exit status, and kills and reaps every process the program left. `k3.rl.sandbox`
+documents what each feature enforces.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pathlib import Path
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _NEWNS, _NEWUSER, _NEWPID, _NEWNET = 0x20000, 0x10000000, 0x20000000, 0x40000000
-_MS_NOSUID, _MS_NODEV, _MS_BIND, _MS_REC, _MS_PRIVATE = 2, 4, 4096, 16384, 1 << 18
+_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_BIND, _MS_REC, _MS_PRIVATE = 1, 2, 4, 8, 4096, 16384, 1 << 18
 _ATTR_RDONLY, _ATTR_NOSUID, _ATTR_NODEV = 1, 2, 4
 _SYS_MOUNT_SETATTR, _AT_FDCWD, _AT_RECURSIVE = 442, -100, 0x8000
 _PDEATHSIG, _SUBREAPER, _NO_NEW_PRIVS = 1, 36, 38
@@ -65,16 +66,40 @@ def _hidden_ancestor(path: str) -> str | None:
     return None
 
 
+def _cover(top: str, keep: list[str]) -> None:
+    """Mount an empty tmpfs on ``top`` holding bind mounts of the paths in ``keep`` (below ``top``) only."""
+    keep = [p for p in keep if not any(p != q and p.startswith(q + "/") for q in keep)]
+    fds = {p: os.open(p, os.O_PATH | os.O_DIRECTORY) for p in keep}
+    _mount("tmpfs", top, "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=0755,size=64k")
+    for p in keep:
+        os.makedirs(p, mode=0o755, exist_ok=True)
+        _mount(f"/proc/self/fd/{fds[p]}", p, None, _MS_BIND | _MS_REC)
+        os.close(fds[p])
+
+
 def _expose(paths: list[str]) -> None:
     """Cover hidden ancestors with a tmpfs holding bind mounts of ``paths`` only (root, new mount ns)."""
     todo = [(a, p) for p in paths if (a := _hidden_ancestor(p))]
-    todo = [(a, p) for a, p in todo if not any(p != q and p.startswith(q + "/") for _, q in todo)]
-    fds = {p: os.open(p, os.O_PATH | os.O_DIRECTORY) for _, p in todo}
     for a in dict.fromkeys(a for a, _ in todo):
-        _mount("tmpfs", a, "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=0755,size=64k")
-    for _, p in todo:
-        os.makedirs(p, mode=0o755, exist_ok=True)
-        _mount(f"/proc/self/fd/{fds[p]}", p, None, _MS_BIND | _MS_REC)
+        _cover(a, [p for b, p in todo if b == a])
+
+
+def _hide_siblings(root: str, expose: list[str]) -> None:
+    """Bind the root in place under an empty tmpfs covering the directory that holds every sandbox (the host's
+    temporary directory), so other sandboxes' files cannot be seen; the interpreter stays if it lives there."""
+    top = os.path.dirname(os.path.dirname(root))
+    _cover(top, [root, *(p for p in expose if p.startswith(top.rstrip("/") + "/"))])
+
+
+def _fresh_proc() -> None:
+    """A /proc of the sandbox's PID namespace, which lists only the sandbox's processes, or an empty one where
+    the host refuses that mount; in a mount namespace of the init's own, as the supervisor reads the host's."""
+    _c(_libc.unshare(_NEWNS), "unshare")
+    flags = _MS_NOSUID | _MS_NODEV | _MS_NOEXEC | _MS_RDONLY
+    try:
+        _mount("proc", "/proc", "proc", flags)
+    except OSError:
+        _mount("tmpfs", "/proc", "tmpfs", flags, "mode=0555,size=4k")
 
 
 def _isolate(cfg: dict) -> set[str]:
@@ -97,7 +122,7 @@ def _isolate(cfg: dict) -> set[str]:
         _mount(None, "/", None, _MS_REC | _MS_PRIVATE)
         if cfg["uid"] is not None:
             _expose(cfg["expose"])
-        _mount(cfg["root"], cfg["root"], None, _MS_BIND | _MS_REC)
+        _hide_siblings(cfg["root"], cfg["expose"])
         _set_mount_attr("/", _ATTR_RDONLY, 0, recursive=True)
         _set_mount_attr(cfg["root"], _ATTR_NOSUID | _ATTR_NODEV, _ATTR_RDONLY, recursive=False)
         features.add("readonly")
@@ -140,7 +165,15 @@ def _exec_program(cfg: dict, features: set[str], argv: list[str]) -> None:
 
 
 def _init(cfg: dict, features: set[str], argv: list[str], status_fd: int) -> None:
-    """PID 1 of the sandbox (with a PID namespace): start the program, reap orphans, report its status."""
+    """PID 1 of the sandbox (with a PID namespace): start the program, reap orphans, report its status. The
+    program never sees the host's processes: it does not run when /proc cannot be replaced (status 126)."""
+    if "pid" in features:
+        try:
+            _fresh_proc()
+        except OSError as e:
+            os.write(2, f"sandbox: cannot hide the host's processes: {e}\n".encode())
+            os.write(status_fd, str(126 << 8).encode())
+            os._exit(0)
     pid = os.fork()
     if pid == 0:
         os.close(status_fd)

@@ -11,14 +11,18 @@ device files are not copied).
 What is enforced (`isolation()` reports which of these features this host grants):
 
 * ``pid`` — the program runs in a new PID namespace under a trusted init; when the program exits or is
-  killed, the kernel kills everything left in the namespace. Without it, the supervisor is a child
-  subreaper that kills and reaps every descendant (a non-root program can still kill the supervisor
-  itself and orphan its children then).
+  killed, the kernel kills everything left in the namespace. Its /proc is the namespace's own (or, where
+  the host refuses that mount, empty): it lists only the sandbox's processes, so no host process, command
+  line or environment can be read. Without it, the supervisor is a child subreaper that kills and reaps
+  every descendant (a non-root program can still kill the supervisor itself and orphan its children then),
+  and /proc lists the host's processes and their command lines (environments only of processes of the
+  program's own uid: none but its own as root).
 * ``net`` — a new network namespace with no interfaces up: no IPv4/IPv6, no abstract Unix sockets.
   Without it only Python code (`run_python`) is guarded, by an audit hook refusing IP sockets, which
   ctypes or a spawned program can bypass; `run` with argv has network access then.
 * ``readonly`` — a new mount namespace in which every mount except the root is read-only, so nothing
-  outside the root can be written (/dev/null and other device nodes stay usable).
+  outside the root can be written (/dev/null and other device nodes stay usable), and the host's temporary
+  directory, which holds every sandbox's root, is covered by an empty one holding only this root.
 * ``uid`` (when started as root) — the program runs as a fresh unprivileged uid/gid owning the root, with
   no capabilities and no supplementary groups, so RLIMIT_NPROC binds and file permissions apply; without
   ``pid`` the supervisor also kills every process of that uid after the run. Directories on the interpreter's path
@@ -30,8 +34,9 @@ What is enforced (`isolation()` reports which of these features this host grants
   user, may signal the user's other processes and write wherever the user may, and the process limit is
   set relative to the user's current process count.
 
-Always: no-new-privileges (setuid binaries do not elevate), RLIMIT_CORE = 0, and output beyond
-``output_bytes`` read and discarded. Memory is bounded per process (RLIMIT_AS), not per sandbox.
+Always: no-new-privileges (setuid binaries do not elevate), RLIMIT_CORE = 0, output beyond ``output_bytes``
+read and discarded, and `run_python`'s source handed over in an inherited memory file, never on a command line
+(which every process of the host may read). Memory is bounded per process (RLIMIT_AS), not per sandbox.
 Checkpoints carry SHA-256 digests: they detect corruption and naive edits, not a forger who rewrites them.
 A `Sandbox` is not thread-safe; run one program at a time.
 """
@@ -82,8 +87,16 @@ def _k3_no_net(e, a):
     if e.startswith("socket.get") and e != "socket.gethostname":
         raise PermissionError("sandbox: network access is disabled")
 _y.addaudithook(_k3_no_net)
-del _s, _k3_no_net
-exec(compile(_y.argv.pop(1), "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+del _s, _y, _k3_no_net
+"""
+#: ``python -I -c _BOOT FD``: read the program from the inherited file descriptor FD (never from argv, which
+#: every process on the host can read in /proc/PID/cmdline), close it, then run it as ``__main__``.
+_BOOT = """def _k3_source():
+    import sys
+    with open(int(sys.argv.pop(1)), "rb") as f:
+        return f.read()
+_k3_source = _k3_source()
+{guard}exec(compile(globals().pop("_k3_source"), "<string>", "exec"), globals())
 """
 
 
@@ -196,21 +209,40 @@ class Sandbox:
         self._finalizer()
 
     def run(self, argv: list[str], stdin: str = "", timeout: float | None = None) -> Result:
-        """Run ``argv`` (looked up on a minimal PATH) in the root; every process it made is gone on return."""
-        if not isinstance(argv, list | tuple) or not argv or not all(isinstance(a, str) for a in argv):
-            raise ValueError(f"argv must be a non-empty list of str, got {argv!r}")
-        if not isinstance(stdin, str):
-            raise TypeError(f"stdin must be str, got {type(stdin).__name__}")
-        timeout = self._limits.wall_seconds if timeout is None else timeout
-        if not timeout > 0:
-            raise ValueError(f"timeout must be positive, got {timeout!r}")
-        self._check_open()
-        os.chmod(self._root, 0o700)
-        cfg = _config(self._root, self._uid, self._limits)
-        start = time.monotonic()
-        proc = subprocess.Popen(
-            [sys.executable, "-I", "-S", _JAIL, json.dumps(cfg), *argv], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, cwd="/", env=cfg["env"])
+        """Run ``argv`` (looked up on a minimal PATH) in the root; every process it made is gone on return.
+        A command line is visible to every process of the host (/proc/PID/cmdline): pass untrusted content in
+        ``stdin`` or a file of the root, as `run_python` does."""
+        return self._run(argv, stdin, timeout)
+
+    def run_python(self, source: str, stdin: str = "", timeout: float | None = None) -> Result:
+        """Run Python ``source`` with this interpreter in isolated mode (-I); the source reaches the program
+        through an inherited memory file, never its command line."""
+        if not isinstance(source, str):
+            raise TypeError(f"source must be str, got {type(source).__name__}")
+        fd = _memory_file(source.encode())
+        return self._run(_python_argv(fd, guard="net" not in isolation()), stdin, timeout, source_fd=fd)
+
+    def _run(self, argv: list[str], stdin: str, timeout: float | None, source_fd: int | None = None) -> Result:
+        """`run`; ``source_fd`` is passed on to the program and closed here once the supervisor holds it."""
+        try:
+            if not isinstance(argv, list | tuple) or not argv or not all(isinstance(a, str) for a in argv):
+                raise ValueError(f"argv must be a non-empty list of str, got {argv!r}")
+            if not isinstance(stdin, str):
+                raise TypeError(f"stdin must be str, got {type(stdin).__name__}")
+            timeout = self._limits.wall_seconds if timeout is None else timeout
+            if not timeout > 0:
+                raise ValueError(f"timeout must be positive, got {timeout!r}")
+            self._check_open()
+            os.chmod(self._root, 0o700)
+            cfg = _config(self._root, self._uid, self._limits)
+            start = time.monotonic()
+            proc = subprocess.Popen(
+                [sys.executable, "-I", "-S", _JAIL, json.dumps(cfg), *argv], stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, cwd="/", env=cfg["env"],
+                pass_fds=() if source_fd is None else (source_fd,))
+        finally:
+            if source_fd is not None:
+                os.close(source_fd)
         try:
             out, err, truncated, timed_out, over_disk = self._communicate(proc, stdin.encode(), timeout)
         finally:
@@ -222,12 +254,6 @@ class Sandbox:
             code = 1 if code == 0 else code
         text = lambda b: b.decode("utf-8", errors="replace")
         return Result(code, text(out), text(err), timed_out, truncated, time.monotonic() - start)
-
-    def run_python(self, source: str, stdin: str = "", timeout: float | None = None) -> Result:
-        """Run Python ``source`` with this interpreter in isolated mode (-I)."""
-        if not isinstance(source, str):
-            raise TypeError(f"source must be str, got {type(source).__name__}")
-        return self.run(_python_argv(source, guard="net" not in isolation()), stdin, timeout)
 
     def write(self, path: str, data: str | bytes) -> None:
         """Write a file under the root, making its directories; ValueError if ``path`` leaves the root."""
@@ -375,10 +401,13 @@ class Sandbox:
 
 @cache
 def _probe(namespaces: bool) -> frozenset[str]:
-    cfg = {**_config(Path(tempfile.gettempdir()), 0 if _ROOT else None, Limits()), "probe": True}
-    cfg["namespaces"] = namespaces
-    done = subprocess.run([sys.executable, "-I", "-S", _JAIL, json.dumps(cfg)], capture_output=True, text=True,
-                          timeout=60, env=cfg["env"], cwd="/")
+    """The features the supervisor obtains for a root laid out as a sandbox's (the same mounts are tried)."""
+    with tempfile.TemporaryDirectory(prefix="k3-sandbox-") as base:
+        root = Path(base).resolve() / "root"
+        root.mkdir()
+        cfg = {**_config(root, 0 if _ROOT else None, Limits()), "probe": True, "namespaces": namespaces}
+        done = subprocess.run([sys.executable, "-I", "-S", _JAIL, json.dumps(cfg)], capture_output=True, text=True,
+                              timeout=60, env=cfg["env"], cwd="/")
     if done.returncode != 0:
         raise RuntimeError(f"sandbox supervisor failed to start: {done.stderr.strip()}")
     return frozenset(json.loads(done.stdout))
@@ -389,10 +418,22 @@ def isolation() -> frozenset[str]:
     return _probe(_USE_NAMESPACES)
 
 
-def _python_argv(source: str, guard: bool) -> list[str]:
-    if len(source.encode()) >= 131072:  # MAX_ARG_STRLEN: one argv string
-        raise ValueError(f"Python source of {len(source.encode())} bytes is too long (limit 131071)")
-    return [sys.executable, "-I", "-c", _NET_GUARD, source] if guard else [sys.executable, "-I", "-c", source]
+def _memory_file(data: bytes) -> int:
+    """A descriptor of an anonymous in-memory file holding ``data``, positioned at its start."""
+    fd = os.memfd_create("k3-sandbox-source", os.MFD_CLOEXEC)
+    try:
+        with open(fd, "wb", closefd=False) as f:
+            f.write(data)
+        os.lseek(fd, 0, os.SEEK_SET)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _python_argv(source_fd: int, guard: bool) -> list[str]:
+    """The command running the Python program readable at ``source_fd`` (see `_BOOT`)."""
+    return [sys.executable, "-I", "-c", _BOOT.format(guard=_NET_GUARD if guard else ""), str(source_fd)]
 
 
 def _config(root: Path, uid: int | None, limits: Limits) -> dict:
