@@ -97,6 +97,34 @@ def test_sigterm_drains_running_requests_then_exits_cleanly(ckpt):
         proc.wait()
 
 
+def test_sigterm_ends_a_stream_left_at_the_drain_deadline_with_an_error_event(ckpt):
+    """A stream still running when the drain period ends gets an ``event: error`` (OpenAI's error body) and
+    ``data: [DONE]`` before its connection closes; the process exits 0."""
+    proc, port = start_server(ckpt, "--drain-timeout", "0.5")
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        body = {"model": "k3-tiny", "prompt": "x = 1", "max_tokens": 4000, "temperature": 0, "stream": True,
+                "ignore_eos": True}  # minutes of generation here
+        conn.request("POST", "/v1/completions", json.dumps(body),
+                     {"authorization": "Bearer k", "content-type": "application/json"})
+        response = conn.getresponse()
+        assert response.status == 200 and response.getheader("content-type").startswith("text/event-stream")
+        assert response.readline().startswith(b"data: {")  # generating
+        proc.send_signal(signal.SIGTERM)
+        rest = response.read().decode()  # to the end of the response: the server ends it
+        events = [event.strip() for event in rest.split("\n\n") if event.strip()]
+        assert events[-2].startswith("event: error\ndata: ") and events[-1] == "data: [DONE]", events[-3:]
+        error = json.loads(events[-2].partition("data: ")[2])["error"]
+        assert error["code"] == "shutting_down" and error["type"] == "server_error" and "--drain-timeout" in \
+            error["message"], error
+        assert all(event.startswith("data: {") for event in events[:-2])  # whole chunks before it
+        assert proc.wait(timeout=30) == 0
+        assert "Exception in ASGI application" not in proc.stdout.read()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def rss_mib(pid: int) -> float:
     status = Path(f"/proc/{pid}/status").read_text()
     return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS"))) / 1024
@@ -147,7 +175,8 @@ def test_k3_serve_bad_checkpoint_is_a_clear_error(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("flag, value", [("--max-body-mb", "0"), ("--request-timeout", "-1"),
-                                         ("--header-timeout", "nan"), ("--max-choices", "1.5")])
+                                         ("--header-timeout", "nan"), ("--max-choices", "1.5"),
+                                         ("--max-connections-per-client", "0")])
 def test_invalid_limits_are_refused_naming_the_flag(tmp_path, capsys, flag, value):
     with pytest.raises(SystemExit) as exit_:
         main(["serve", "--ckpt", str(tmp_path), flag, value])

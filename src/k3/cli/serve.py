@@ -38,7 +38,10 @@ def _generate(args: argparse.Namespace) -> int:
 _LIMIT_FLAGS = (
     ("--max-body-mb", "max_body_bytes", float, 2**20, "largest request body in MiB (413 beyond)"),
     ("--max-choices", "max_choices", int, 1, "most generations per request, prompts x n (400 beyond)"),
-    ("--max-connections", "max_connections", int, 1, "most open connections and running requests (503 beyond)"),
+    ("--max-connections", "max_connections", int, 1, "most connections served at once (503 beyond; /health is "
+     "always answered)"),
+    ("--max-connections-per-client", "max_connections_per_client", int, 1, "most connections from one client "
+     "address (429 beyond)"),
     ("--header-timeout", "header_timeout", float, 1, "seconds for a client to send a request's headers (the "
      "connection is closed)"),
     ("--body-timeout", "body_timeout", float, 1, "seconds for a request body to arrive (408)"),
@@ -75,7 +78,8 @@ def _serve(args: argparse.Namespace) -> int:
     if args.replicas > 1:
         from k3.serve.fleet.launch import run_fleet
 
-        return run_fleet(args.ckpt, args.replicas, args.port, args.argv[1:], host=args.host, limits=_limits(args))
+        return run_fleet(args.ckpt, args.replicas, args.port, args.argv[1:], host=args.host, limits=_limits(args),
+                         api_key=args.api_key)
     import torch
 
     from k3.serve.api.app import create_app
@@ -108,7 +112,7 @@ def _serve(args: argparse.Namespace) -> int:
 def _route(args: argparse.Namespace) -> int:
     from k3.serve.fleet.launch import run_router
 
-    return run_router(args.replica, args.host, args.port, long_threshold=args.long_threshold,
+    return run_router(args.replica, args.host, args.port, api_key=args.api_key, long_threshold=args.long_threshold,
                       short_budget=args.short_budget, long_budget=args.long_budget)
 
 
@@ -260,6 +264,8 @@ def _add_route(commands: argparse._SubParsersAction) -> None:
                     help="a replica's base URL, e.g. http://127.0.0.1:8001 (repeat the flag for each)")
     ro.add_argument("--host", default="127.0.0.1")
     ro.add_argument("--port", type=int, default=8000)
+    ro.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (also for /router/status); the replicas "
+                    "get the same header")
     ro.add_argument("--long-threshold", type=positive(int), default=32768,
                     help="body bytes beyond which a request is 'long' (default: %(default)s)")
     ro.add_argument("--short-budget", type=positive(int), default=64,

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import openai
@@ -17,6 +18,9 @@ import pytest
 
 import serving
 from k3.model.checkpoint import save_model
+from k3.serve.asgi.guard import Limits
+from k3.serve.fleet.launch import replica_flags
+from k3.serve.fleet.replicas import FIRST_DELAY, MAX_DELAY, STABLE, Replicas
 from k3.serve.fleet.router import PROMPT_CHARS, PROMPT_IDS, HashRing, routing_key
 
 KEY, LONG_THRESHOLD = "k", 200  # the replicas' API key; bodies over 200 bytes are "long" (budget 1)
@@ -59,6 +63,24 @@ def test_routing_key_is_the_leading_content():
     assert routing_key("/tokenize", b"{not json") == b"/tokenize\0{not json"
 
 
+def test_restart_backoff_doubles_up_to_its_cap_and_starts_over_after_a_stable_run():
+    replicas = Replicas([8001], lambda port: ["true"])
+    replicas.started = [time.monotonic()]
+    delays = [replicas.delay(0) for _ in range(9)]
+    assert delays == [FIRST_DELAY * 2**i for i in range(6)] + [MAX_DELAY] * 3 and FIRST_DELAY * 2**5 < MAX_DELAY
+    replicas.started = [time.monotonic() - STABLE]  # it ran long enough before this exit
+    assert replicas.delay(0) == FIRST_DELAY
+
+
+def test_a_replica_lets_its_one_client_the_router_hold_every_connection():
+    flags = ["--api-key", "k", "--max-connections", "100", "--max-connections-per-client", "3", "--port", "9",
+             "--threads", "2"]
+    assert replica_flags(flags, 2) == ["--api-key", "k", "--threads", "2", "--max-connections", "100",
+                                       "--max-connections-per-client", "100"]
+    assert replica_flags(["--threads", "1"], 2)[2:] == ["--max-connections", str(Limits().max_connections),
+                                                        "--max-connections-per-client", str(Limits().max_connections)]
+
+
 # ---------------------------------------------------------------------- processes
 def free_port(count: int = 1) -> int:
     """A port P with P … P+count-1 free on loopback."""
@@ -77,9 +99,9 @@ def free_port(count: int = 1) -> int:
             continue
 
 
-def launch(*args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "k3.cli", *args], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+def launch(*args: str, output=subprocess.DEVNULL) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "k3.cli", *args], stdout=output, stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
 def wait_until(ready, process: subprocess.Popen | None = None, timeout: float = 60) -> None:
@@ -104,11 +126,12 @@ def answers(url: str) -> bool:
 
 
 def status(url: str) -> dict:
-    return httpx.get(url + "/router/status", timeout=5).json()
+    return httpx.get(url + "/router/status", headers={"authorization": f"Bearer {KEY}"}, timeout=5).json()
 
 
-def in_ring(url: str) -> dict[str, bool]:
-    return {r["url"]: r["in_ring"] for r in status(url)["replicas"]}
+def in_ring(url: str) -> dict[int, bool]:
+    """Each replica's index (the order of the router's --replica flags): whether it is in the ring."""
+    return {r["index"]: r["in_ring"] for r in status(url)["replicas"]}
 
 
 def stop(*processes: subprocess.Popen) -> None:
@@ -129,12 +152,13 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def fleet(ckpt):
-    """Three replicas (API key "k") behind `k3 route` (long budget 1): (router URL, {replica URL: process})."""
+    """Three replicas behind `k3 route` (long budget 1), all with API key "k": (router URL, {replica URL: process}),
+    the replicas in the order of their index."""
     ports = [free_port() for _ in range(3)]
     replicas = {f"http://127.0.0.1:{port}": replica(ckpt, port) for port in ports}
     port = free_port()
     router = launch("route", "--port", str(port), "--long-threshold", str(LONG_THRESHOLD), "--long-budget", "1",
-                    *(f"--replica={url}" for url in replicas))
+                    "--api-key", KEY, *(f"--replica={url}" for url in replicas))
     try:
         for url, process in replicas.items():
             wait_until(lambda url=url: answers(url), process)
@@ -149,11 +173,24 @@ def client(url: str, key: str = KEY) -> openai.OpenAI:
     return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=60)
 
 
-def chat(api: openai.OpenAI, messages: list[dict], max_tokens: int = 3) -> tuple[str, str]:
-    """(the replica that answered, the reply)."""
+def chat(api: openai.OpenAI, messages: list[dict], max_tokens: int = 3) -> tuple[int, str]:
+    """(the index of the replica that answered, the reply)."""
     raw = api.chat.completions.with_raw_response.create(model="k3-tiny", messages=messages, max_tokens=max_tokens,
                                                         temperature=0, extra_body={"ignore_eos": True})
-    return raw.headers["x-k3-replica"], raw.parse().choices[0].message.content
+    return int(raw.headers["x-k3-replica"]), raw.parse().choices[0].message.content
+
+
+def test_router_status_needs_the_key_and_names_no_replica_url(fleet):
+    url, replicas = fleet
+    refused = httpx.get(url + "/router/status", timeout=5)
+    assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(url + "/router/status", headers={"authorization": "Bearer wrong"}, timeout=5).status_code == 401
+    answer = httpx.get(url + "/router/status", headers={"authorization": f"Bearer {KEY}"}, timeout=5)
+    assert answer.status_code == 200 and [r["index"] for r in answer.json()["replicas"]] == [0, 1, 2]
+    assert not any(replica.partition("//")[2] in answer.text for replica in replicas)  # no host:port
+    assert "http" not in answer.text
+    relayed = httpx.get(url + "/health", timeout=5)  # open, as a replica's own; names its replica by index only
+    assert relayed.status_code == 200 and relayed.headers["x-k3-replica"] in {"0", "1", "2"}
 
 
 def test_a_conversation_stays_on_its_replica_and_conversations_spread(fleet):
@@ -171,9 +208,9 @@ def test_a_conversation_stays_on_its_replica_and_conversations_spread(fleet):
             messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": f"turn {turn}"}]
         assert len(seen) == 1, seen  # every turn, with its growing history, on the same replica
         homes.append(seen.pop())
-    assert set(homes) <= set(replicas) and len(set(homes)) >= 2, homes
+    assert set(homes) <= set(range(len(replicas))) and len(set(homes)) >= 2, homes
     after = status(url)
-    primary = {r["url"]: r["primary"] for r in after["replicas"]}
+    primary = {r["index"]: r["primary"] for r in after["replicas"]}
     assert sum(primary.values()) - sum(r["primary"] for r in before["replicas"]) == 36
     assert all(r["primary"] == r["served"] for r in after["replicas"]) and after["retries"] == 0
 
@@ -239,23 +276,47 @@ def test_a_killed_replica_is_failed_over_left_out_and_taken_back(fleet, ckpt):
         results = [future.result() for future in running]  # in flight on the victim: retried on secondaries
     assert all(reply for _, reply in results)
     assert status(url)["retries"] >= 1
-    wait_until(lambda: not in_ring(url)[victim], timeout=10)
+    index = list(replicas).index(victim)
+    wait_until(lambda: not in_ring(url)[index], timeout=10)
     for messages in conversations:
-        assert chat(api, messages)[0] != victim
+        assert chat(api, messages)[0] != index
     replicas[victim] = replica(ckpt, int(victim.rsplit(":", 1)[1]))
-    wait_until(lambda: in_ring(url)[victim], replicas[victim], timeout=60)  # two good checks put it back
-    assert victim in {chat(api, messages)[0] for messages in conversations}
+    wait_until(lambda: in_ring(url)[index], replicas[victim], timeout=60)  # two good checks put it back
+    assert index in {chat(api, messages)[0] for messages in conversations}
 
 
-def test_k3_serve_replicas_runs_a_fleet_and_stops_it(ckpt):
+def replica_process(parent: int, port: int) -> int | None:
+    """The pid of ``parent``'s live child serving on ``port``, if any."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        state, ppid = stat.rpartition(")")[2].split()[:2]
+        if int(ppid) == parent and state != "Z" and b"--port" in cmdline and \
+                cmdline[cmdline.index(b"--port") + 1] == str(port).encode():
+            return int(pid)
+    return None
+
+
+def test_k3_serve_replicas_runs_a_fleet_restarts_a_dead_replica_and_stops_it(ckpt, tmp_path):
     port = free_port(3)
     url = f"http://127.0.0.1:{port}"
-    fleet = launch("serve", "--ckpt", str(ckpt), "--port", str(port), "--replicas", "2", "--api-key", KEY,
-                   "--max-model-len", "256")
+    log = tmp_path / "fleet.log"
+    with log.open("w") as output:
+        fleet = launch("serve", "--ckpt", str(ckpt), "--port", str(port), "--replicas", "2", "--api-key", KEY,
+                       "--max-model-len", "256", output=output)
     try:
         wait_until(lambda: all(in_ring(url).values()), fleet)
-        assert sorted(in_ring(url)) == [f"http://127.0.0.1:{port + 1}", f"http://127.0.0.1:{port + 2}"]
+        assert sorted(in_ring(url)) == [0, 1]
         assert chat(client(url), [{"role": "user", "content": "hi"}])[0] in in_ring(url)
+        dead = replica_process(fleet.pid, port + 1)
+        os.kill(dead, signal.SIGKILL)  # replica 0 dies: the launcher starts it again on its port
+        wait_until(lambda: replica_process(fleet.pid, port + 1) not in (None, dead), fleet, timeout=30)
+        wait_until(lambda: answers(f"http://127.0.0.1:{port + 1}"), fleet)
+        wait_until(lambda: all(in_ring(url).values()), fleet)  # and the router takes it back
+        assert f"replica 0 (port {port + 1}) exited with code -9; restarting it in" in log.read_text()
         fleet.send_signal(signal.SIGTERM)
         assert fleet.wait(timeout=60) == 0
         for p in (port, port + 1, port + 2):  # the router and both replicas are gone

@@ -7,12 +7,14 @@ the page sends the key its user types) are always open, `/docs` (with its assets
 `/openapi.json` only with ``public_docs``; a body is read in full before the route sees it, refused with 413
 when it exceeds ``max_body_bytes`` (at once when ``Content-Length`` says it is more than twice that; a smaller
 excess is read and discarded first, so the client is not reset mid-send) and with 408 when it takes longer
-than ``body_timeout`` to arrive.
+than ``body_timeout`` to arrive. A Server-Sent Events stream that is still running when the server, draining,
+cancels it ends with an ``event: error`` (OpenAI's error body, code ``shutting_down``) and ``data: [DONE]``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import time
@@ -20,7 +22,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Limits", "Guard", "error_body", "send_json"]
+__all__ = ["Limits", "Guard", "error_body", "send_json", "sse_error"]
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
@@ -30,6 +32,7 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 DOCS_PATHS, DOCS_PREFIX = ("/docs", "/openapi.json"), "/docs/"
 OPEN_PATHS, OPEN_PREFIX = ("/health", "/"), "/static/"
+FINAL_EVENT_SECONDS = 1.0  # how long a cancelled stream's closing events may wait for a slow reader
 
 
 @dataclass(frozen=True)
@@ -39,16 +42,17 @@ class Limits:
     max_body_bytes: int = 16 * 2**20  # request body size (413 beyond)
     max_choices: int = 64  # prompts × n in one request (400 beyond)
     header_timeout: float = 10.0  # seconds for a connection to send a request's headers (closed after)
-    body_timeout: float = 60.0  # seconds for a request body to arrive in full (408 after)
+    body_timeout: float = 30.0  # seconds for a request body to arrive in full (408 after)
     keep_alive_timeout: float = 5.0  # idle seconds before a keep-alive connection is closed
     request_timeout: float | None = 600.0  # seconds for a generation to finish (408 after, work cancelled)
-    max_connections: int = 512  # open connections + running requests (503 beyond)
+    max_connections: int = 512  # connections served at once (503 beyond; /health is always answered)
+    max_connections_per_client: int = 128  # connections from one peer address (429 beyond)
     drain_timeout: float = 30.0  # seconds a SIGTERM waits for running requests before cancelling them
     public_docs: bool = False  # serve /docs and /openapi.json without the API key
     max_images: int = 8  # image_url parts in one request (400 beyond)
 
     def __post_init__(self) -> None:
-        for name in ("max_body_bytes", "max_choices", "max_connections", "max_images"):
+        for name in ("max_body_bytes", "max_choices", "max_connections", "max_connections_per_client", "max_images"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected a positive integer, got {getattr(self, name)!r}")
         for name in ("header_timeout", "body_timeout", "keep_alive_timeout", "request_timeout", "drain_timeout"):
@@ -69,6 +73,11 @@ async def send_json(send: Send, status: int, body: dict, headers: Sequence[tuple
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
                             *headers]})
     await send({"type": "http.response.body", "body": data})
+
+
+def sse_error(body: dict) -> bytes:
+    """An ``event: error`` of a Server-Sent Events stream carrying ``body``."""
+    return f"event: error\ndata: {json.dumps(body)}\n\n".encode()
 
 
 async def _reply(send: Send, status: int, message: str, type_: str, code: str,
@@ -101,7 +110,7 @@ class Guard:
             if int(length) > 2 * self.limits.max_body_bytes:  # too much to drain: answer at once
                 return await self._too_large(send, int(length))
         if scope["method"] in ("GET", "HEAD", "OPTIONS") and length is None and b"transfer-encoding" not in headers:
-            return await self.app(scope, receive, send)
+            return await self._respond(scope, receive, send)
         body = await self._read_body(receive, send)
         if body is None:
             return
@@ -114,7 +123,32 @@ class Guard:
                 return {"type": "http.request", "body": body, "more_body": False}
             return await receive()
 
-        await self.app(scope, replay, send)
+        await self._respond(scope, replay, send)
+
+    async def _respond(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Run the app; when the drain cancels it mid-stream, end the stream properly (module docstring)."""
+        streaming = False
+
+        async def watched(message: Message) -> None:
+            nonlocal streaming
+            if message["type"] == "http.response.start":
+                streaming = dict(message.get("headers", ())).get(b"content-type", b"").startswith(b"text/event-stream")
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                streaming = False
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched)
+        except asyncio.CancelledError:
+            if not (streaming and self.draining):
+                raise
+            asyncio.current_task().uncancel()  # handled here: the closing events below may still be awaited
+            ending = sse_error(error_body(f"the server shut down before this stream finished (it lets streams run "
+                                          f"{self.limits.drain_timeout:g} s after SIGTERM: --drain-timeout)",
+                                          "server_error", code="shutting_down")) + b"data: [DONE]\n\n"
+            with contextlib.suppress(TimeoutError, OSError, RuntimeError):
+                await asyncio.wait_for(send({"type": "http.response.body", "body": ending}), FINAL_EVENT_SECONDS)
+            # The response is complete and the server is stopping: the cancellation has done its work.
 
     def _authorized(self, scope: Scope) -> bool:
         path = scope["path"]

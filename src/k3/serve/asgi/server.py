@@ -1,13 +1,17 @@
-"""Running the API with uvicorn: slow-client timeouts, a connection limit and graceful shutdown.
+"""Running the API with uvicorn: slow-client timeouts, connection slots and graceful shutdown.
 
 uvicorn's h11 protocol closes idle keep-alive connections but never times out a connection that is
 still sending its request head, so a client trickling header bytes holds a connection forever.
 `GuardedH11Protocol` closes a connection whose request head is not complete ``header_timeout`` seconds
 after it opened (or after its previous response finished). Body reading is bounded by `Guard`.
+Each connection takes one of the server's `Slots` when it opens (``max_connections``, at most
+``max_connections_per_client`` per peer address); one that gets none is answered by `refusing`, which
+still serves ``/health`` (uvicorn's own limit would answer it a plain-text 503).
 
 On SIGTERM (or SIGINT) `Server` stops admitting — the `Guard` answers 503, uvicorn stops listening and
 closes idle connections — lets running requests finish for up to ``drain_timeout`` seconds, then
-cancels what is left, and returns normally so the caller can stop the engine and exit 0.
+cancels what is left (a stream still running gets an ``event: error`` and ``data: [DONE]`` first, from
+the `Guard`), and returns normally so the caller can stop the engine and exit 0.
 """
 
 from __future__ import annotations
@@ -22,20 +26,28 @@ import uvicorn
 from starlette.middleware.cors import CORSMiddleware
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from k3.serve.asgi.admission import Slots, refusing
 from k3.serve.asgi.guard import Guard, Limits
 
 __all__ = ["GuardedH11Protocol", "Server", "BackgroundServer"]
 
 
 class GuardedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with a timeout for receiving a request head (see the module docstring)."""
+    """uvicorn's h11 protocol with a timeout for receiving a request head and a connection slot (see the
+    module docstring)."""
 
     header_timeout: float = 10.0
+    slots: Slots  # the server's, set by `_protocol`
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._head_timer: asyncio.TimerHandle | None = None
         self._arm_head_timer()
+        self._peer = self.client[0] if self.client else None
+        why = self.slots.take(self._peer)
+        self._has_slot = why is None
+        if why is not None:
+            self.app = refusing(self.app, why, self.slots)
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
@@ -51,6 +63,9 @@ class GuardedH11Protocol(H11Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         if self._head_timer is not None:
             self._head_timer.cancel()
+        if self._has_slot:
+            self._has_slot = False
+            self.slots.give_back(self._peer)
         super().connection_lost(exc)
 
     def _arm_head_timer(self) -> None:
@@ -65,8 +80,11 @@ class GuardedH11Protocol(H11Protocol):
             self.transport.close()
 
 
-def _protocol(header_timeout: float) -> type[GuardedH11Protocol]:
-    return type("GuardedH11Protocol", (GuardedH11Protocol,), {"header_timeout": header_timeout})
+def _protocol(limits: Limits) -> type[GuardedH11Protocol]:
+    """The protocol class of one server: its header timeout and its own slots."""
+    slots = Slots(limits.max_connections, limits.max_connections_per_client)
+    return type("GuardedH11Protocol", (GuardedH11Protocol,), {"header_timeout": limits.header_timeout,
+                                                               "slots": slots})
 
 
 class Server(uvicorn.Server):
@@ -77,9 +95,9 @@ class Server(uvicorn.Server):
         self.guard: Guard = app if isinstance(app, Guard) else app.app  # `create_app` may wrap it in CORS
         limits: Limits = self.guard.limits
         super().__init__(uvicorn.Config(
-            app, host=host, port=port, log_level=log_level, http=_protocol(limits.header_timeout),
-            timeout_keep_alive=limits.keep_alive_timeout, limit_concurrency=limits.max_connections,
-            timeout_graceful_shutdown=limits.drain_timeout, lifespan="off"))
+            app, host=host, port=port, log_level=log_level, http=_protocol(limits),
+            timeout_keep_alive=limits.keep_alive_timeout, timeout_graceful_shutdown=limits.drain_timeout,
+            lifespan="off"))
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         self.guard.draining = True

@@ -13,15 +13,16 @@ Failover: a request whose primary fails before a byte reached the client — a t
 is sent once more, to the secondary. Non-streamed answers are read in full before they are relayed, so they
 are always retried; a stream is retried only if it failed before its first chunk, and a failure after
 that ends it with an ``event: error``. 4xx answers are relayed as they are. The ``Authorization`` header
-is passed on: the replicas check the key.
+is passed on: the replicas check the key (the router's `Guard` checks it too when it has one).
 
 Admission: requests with a body are "long" beyond ``long_threshold`` bytes and "short" otherwise; each kind
 has its own concurrency budget, beyond which the router answers 429 with ``Retry-After`` — so a few huge
 prompts cannot starve short chats, nor the other way round.
 
-``GET /router/status`` reports the replicas (in the ring or not, how often each was the primary choice and
-how many answers it served), the retries and the budgets; every relayed answer names its replica in the
-``x-k3-replica`` header.
+``GET /router/status`` reports the replicas by index, in the order given (in the ring or not, how often each was
+the primary choice and how many answers it served), the retries and the budgets; every relayed answer names its
+replica's index in the ``x-k3-replica`` header. Nothing the router answers names a replica's URL: those are
+internal addresses.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from k3.serve.asgi.guard import Receive, Scope, Send, error_body, send_json
+from k3.serve.asgi.guard import Receive, Scope, Send, error_body, send_json, sse_error
 
 __all__ = ["Budget", "HashRing", "Router", "routing_key"]
 
@@ -143,6 +144,7 @@ class Budget:
 
 @dataclass
 class Replica:
+    index: int  # how clients know it (its URL is internal)
     url: str
     failures: int = 0  # failed health checks in a row
     successes: int = 0  # good health checks in a row
@@ -176,7 +178,7 @@ class Router:
         urls = [url.rstrip("/") for url in replicas]
         if not urls or len(set(urls)) != len(urls):
             raise ValueError(f"replicas: expected distinct base URLs, got {list(replicas)}")
-        self.replicas = {url: Replica(url) for url in urls}
+        self.replicas = {url: Replica(i, url) for i, url in enumerate(urls)}
         self.ring = HashRing(urls, vnodes)  # replicas start in the ring; checks and refused connections prune it
         self.long_threshold = long_threshold
         self.budgets = {"short": Budget(short_budget), "long": Budget(long_budget)}
@@ -198,8 +200,8 @@ class Router:
         await self._client.aclose()
 
     def status(self) -> dict:
-        return {"replicas": [{"url": r.url, "in_ring": r.url in self.ring, "primary": r.primary, "served": r.served,
-                              "failed_checks": r.failures} for r in self.replicas.values()],
+        return {"replicas": [{"index": r.index, "in_ring": r.url in self.ring, "primary": r.primary,
+                              "served": r.served, "failed_checks": r.failures} for r in self.replicas.values()],
                 "retries": self.retries, "long_threshold": self.long_threshold,
                 "budgets": {name: {"limit": b.limit, "in_use": b.in_use, "refused": b.refused}
                             for name, b in self.budgets.items()}}
@@ -293,7 +295,7 @@ class Router:
                 return await self._failed(replica, err, send, final)
             replica.served += 1
             out = [(k, v) for k, v in response.headers.raw if k.lower() not in HOP_BY_HOP]
-            out.append((b"x-k3-replica", replica.url.encode()))
+            out.append((b"x-k3-replica", str(replica.index).encode()))
             if not streamed:
                 out.append((b"content-length", str(len(head)).encode()))
             await send({"type": "http.response.start", "status": response.status_code, "headers": out})
@@ -309,14 +311,13 @@ class Router:
             async for chunk in chunks:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except httpx.TransportError as err:
-            error = error_body(f"replica {replica.url} failed mid-stream: {err!r}", "server_error",
+            error = error_body(f"replica {replica.index} failed mid-stream ({type(err).__name__})", "server_error",
                                code="replica_failed")
-            await send({"type": "http.response.body", "body": f"event: error\ndata: {json.dumps(error)}\n\n".encode(),
-                        "more_body": True})
+            await send({"type": "http.response.body", "body": sse_error(error), "more_body": True})
         await send({"type": "http.response.body", "body": b""})
 
     async def _failed(self, replica: Replica, err: httpx.TransportError, send: Send, final: bool) -> bool:
         if final:
-            await send_json(send, 502, error_body(f"replica {replica.url} failed: {err!r}", "server_error",
-                                               code="replica_failed"))
+            await send_json(send, 502, error_body(f"replica {replica.index} failed ({type(err).__name__})",
+                                                  "server_error", code="replica_failed"))
         return final
