@@ -201,12 +201,9 @@ def test_network_is_unreachable(box):
 
 def run_guarded(source: str) -> subprocess.CompletedProcess:
     """``source`` run here, unsandboxed, the way `run_python` starts it without a network namespace."""
-    fd = sandbox._memory_file(source.encode())
-    try:
-        return subprocess.run(sandbox._python_argv(fd, guard=True), capture_output=True, text=True, timeout=30,
-                              pass_fds=(fd,))
-    finally:
-        os.close(fd)
+    with sandbox._memory_file(source.encode()) as f:
+        return subprocess.run(sandbox._python_argv(f.fileno(), guard=True), capture_output=True, text=True,
+                              timeout=30, pass_fds=(f.fileno(),))
 
 
 def test_the_fallback_network_guard_blocks_python_sockets():

@@ -219,30 +219,25 @@ class Sandbox:
         through an inherited memory file, never its command line."""
         if not isinstance(source, str):
             raise TypeError(f"source must be str, got {type(source).__name__}")
-        fd = _memory_file(source.encode())
-        return self._run(_python_argv(fd, guard="net" not in isolation()), stdin, timeout, source_fd=fd)
+        with _memory_file(source.encode()) as f:
+            return self._run(_python_argv(f.fileno(), guard="net" not in isolation()), stdin, timeout, (f.fileno(),))
 
-    def _run(self, argv: list[str], stdin: str, timeout: float | None, source_fd: int | None = None) -> Result:
-        """`run`; ``source_fd`` is passed on to the program and closed here once the supervisor holds it."""
-        try:
-            if not isinstance(argv, list | tuple) or not argv or not all(isinstance(a, str) for a in argv):
-                raise ValueError(f"argv must be a non-empty list of str, got {argv!r}")
-            if not isinstance(stdin, str):
-                raise TypeError(f"stdin must be str, got {type(stdin).__name__}")
-            timeout = self._limits.wall_seconds if timeout is None else timeout
-            if not timeout > 0:
-                raise ValueError(f"timeout must be positive, got {timeout!r}")
-            self._check_open()
-            os.chmod(self._root, 0o700)
-            cfg = _config(self._root, self._uid, self._limits)
-            start = time.monotonic()
-            proc = subprocess.Popen(
-                [sys.executable, "-I", "-S", _JAIL, json.dumps(cfg), *argv], stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, cwd="/", env=cfg["env"],
-                pass_fds=() if source_fd is None else (source_fd,))
-        finally:
-            if source_fd is not None:
-                os.close(source_fd)
+    def _run(self, argv: list[str], stdin: str, timeout: float | None, pass_fds: tuple[int, ...] = ()) -> Result:
+        if not isinstance(argv, list | tuple) or not argv or not all(isinstance(a, str) for a in argv):
+            raise ValueError(f"argv must be a non-empty list of str, got {argv!r}")
+        if not isinstance(stdin, str):
+            raise TypeError(f"stdin must be str, got {type(stdin).__name__}")
+        timeout = self._limits.wall_seconds if timeout is None else timeout
+        if not timeout > 0:
+            raise ValueError(f"timeout must be positive, got {timeout!r}")
+        self._check_open()
+        os.chmod(self._root, 0o700)
+        cfg = _config(self._root, self._uid, self._limits)
+        start = time.monotonic()
+        proc = subprocess.Popen(
+            [sys.executable, "-I", "-S", _JAIL, json.dumps(cfg), *argv], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, cwd="/", env=cfg["env"],
+            pass_fds=pass_fds)
         try:
             out, err, truncated, timed_out, over_disk = self._communicate(proc, stdin.encode(), timeout)
         finally:
@@ -418,17 +413,12 @@ def isolation() -> frozenset[str]:
     return _probe(_USE_NAMESPACES)
 
 
-def _memory_file(data: bytes) -> int:
-    """A descriptor of an anonymous in-memory file holding ``data``, positioned at its start."""
-    fd = os.memfd_create("k3-sandbox-source", os.MFD_CLOEXEC)
-    try:
-        with open(fd, "wb", closefd=False) as f:
-            f.write(data)
-        os.lseek(fd, 0, os.SEEK_SET)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+def _memory_file(data: bytes) -> io.BufferedRandom:
+    """An anonymous in-memory file holding ``data``, positioned at its start."""
+    f = open(os.memfd_create("k3-sandbox-source", os.MFD_CLOEXEC), "w+b")
+    f.write(data)
+    f.seek(0)
+    return f
 
 
 def _python_argv(source_fd: int, guard: bool) -> list[str]:
