@@ -140,6 +140,9 @@ def test_the_bound_counts_every_entry_exactly(engine, route):
     assert status == 200, data
     if route == "completions":
         got = sum(entries(c["logprobs"]) + sum(len(p or {}) for p in c["prompt_logprobs"]) for c in data["choices"])
+        # each field has the alternatives it asked for, though the engine scored the prompt once with the larger
+        assert all(len(p) <= 1 + 1 for c in data["choices"] for p in c["prompt_logprobs"][1:])
+        assert all(len(t) <= 2 for c in data["choices"] for t in c["logprobs"]["top_logprobs"][1:])
     else:
         got = sum(len(t["top_logprobs"]) + 1 for c in data["choices"] for t in c["logprobs"]["content"])
         got += sum(len(p or {}) for p in data["prompt_logprobs"]) * 2  # computed for both choices, sent once
