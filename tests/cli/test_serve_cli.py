@@ -2,22 +2,21 @@
 
 from __future__ import annotations
 
+import base64
 import http.client
 import io
 import json
-import os
 import signal
 import socket
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import openai
 import pytest
+from PIL import Image
 
 import serving
-from gloo import free_port
+from processes import rss_mib, start_server
 from k3.cli import main
 from k3.model.checkpoint import load_model, save_model
 
@@ -34,24 +33,6 @@ def test_save_model_round_trip(ckpt):
     assert tok == serving.tokenizer()
     for (name, a), (_, b) in zip(model.state_dict().items(), reference.state_dict().items(), strict=True):
         assert a.equal(b), name
-
-
-def start_server(ckpt, *flags: str) -> tuple[subprocess.Popen, int]:
-    """A real `k3 serve` process (API key "k") on a free port, once it answers."""
-    port = free_port()
-    command = [sys.executable, "-m", "k3.cli", "serve", "--ckpt", str(ckpt), "--port", str(port), "--api-key", "k",
-               *flags]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    assert "model 'k3-tiny'" in proc.stdout.readline()
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1):
-                return proc, port
-        except OSError:
-            assert time.monotonic() < deadline and proc.poll() is None
-            time.sleep(0.1)
 
 
 def test_k3_serve_subprocess(ckpt):
@@ -125,11 +106,6 @@ def test_sigterm_ends_a_stream_left_at_the_drain_deadline_with_an_error_event(ck
         proc.wait()
 
 
-def rss_mib(pid: int) -> float:
-    status = Path(f"/proc/{pid}/status").read_text()
-    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS"))) / 1024
-
-
 def test_huge_bodies_are_refused_cheaply_and_memory_returns(ckpt):
     """A 50 MB body is refused from its Content-Length (413) before it is read; a 15 MB prompt within the
     body limit is refused by the cheap length bound before tokenizing; the process does not keep the memory."""
@@ -176,11 +152,34 @@ def test_k3_serve_bad_checkpoint_is_a_clear_error(tmp_path, capsys):
 
 @pytest.mark.parametrize("flag, value", [("--max-body-mb", "0"), ("--request-timeout", "-1"),
                                          ("--header-timeout", "nan"), ("--max-choices", "1.5"),
-                                         ("--max-connections-per-client", "0")])
+                                         ("--max-connections-per-client", "0"),
+                                         ("--max-logprob-entries", "0"), ("--max-images", "1.5"),
+                                         ("--max-decoded-image-mb", "-1"), ("--max-image-decodes", "0")])
 def test_invalid_limits_are_refused_naming_the_flag(tmp_path, capsys, flag, value):
     with pytest.raises(SystemExit) as exit_:
         main(["serve", "--ckpt", str(tmp_path), flag, value])
     assert exit_.value.code == 2 and f"argument {flag}" in capsys.readouterr().err
+
+
+def test_the_answer_and_image_limits_reach_the_server(ckpt):
+    """``--max-logprob-entries``, ``--max-images`` and ``--max-decoded-image-mb`` are the server's limits: an
+    8 × 8 RGB image takes 512 bytes decoded, more than 0.0004 MiB (419 bytes)."""
+    proc, port = start_server(ckpt, "--max-logprob-entries", "10", "--max-images", "1", "--max-decoded-image-mb",
+                              "0.0004")
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k", max_retries=0, timeout=60)
+        with pytest.raises(openai.BadRequestError, match="asks for 24 log-probability entries .* at most 10 "):
+            client.completions.create(model="k3-tiny", prompt="x = 1", max_tokens=4, logprobs=5)
+        for side, count, message in ((4, 2, "more than 1 images"), (8, 1, "takes 512 bytes, more than the 419")):
+            png = io.BytesIO()
+            Image.new("RGB", (side, side)).save(png, format="PNG")
+            url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+            with pytest.raises(openai.BadRequestError, match=message):
+                client.chat.completions.create(model="k3-tiny", max_tokens=1, messages=[{"role": "user", "content": [
+                    {"type": "image_url", "image_url": {"url": url}}] * count}])
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
 
 
 SERVE_WITHOUT_TRAINING = """

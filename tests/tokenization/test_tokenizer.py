@@ -10,7 +10,8 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from k3.train.data import stdlib_documents
-from k3.tokenization.bpe import MIN_VOCAB_SIZE, NUM_SPECIAL_TOKENS, SPECIAL_TOKENS, TOKENIZER_FILE, Tokenizer
+from k3.tokenization.bpe import (DECODE_IN_BATCH, MIN_VOCAB_SIZE, NUM_SPECIAL_TOKENS, SPECIAL_TOKENS, TOKENIZER_FILE,
+                                  Tokenizer)
 
 VOCAB = 640
 
@@ -61,6 +62,14 @@ def test_round_trip_every_byte_and_codepoint_plane(tok) -> None:
     text = "".join(chr(c) for c in range(0, 0x3000)) + "".join(chr(c) for c in range(0x10000, 0x10400))
     text = "".join(c for c in text if not 0xD800 <= ord(c) < 0xE000)
     assert tok.decode(tok.encode(text)) == text
+
+
+def test_long_sequences_decode_as_short_ones(tok) -> None:
+    """Beyond `DECODE_IN_BATCH` ids decode takes the call that releases the GIL; the text is the same."""
+    special = tok.special_id("user")
+    for n in (DECODE_IN_BATCH, DECODE_IN_BATCH + 1):
+        ids = ([special] + tok.encode("x = 1\n"))[: 2] * (n // 2) + [special] * (n % 2)
+        assert len(ids) == n and tok.decode(ids) == "".join(tok.decode([i]) for i in ids)
 
 
 def test_empty(tok) -> None:

@@ -50,6 +50,12 @@ _LIMIT_FLAGS = (
      "cancelled; 0: no limit)"),
     ("--drain-timeout", "drain_timeout", float, 1, "on SIGTERM, seconds to let running requests finish before "
      "cancelling them"),
+    ("--max-images", "max_images", int, 1, "most image_url parts in one request (400 beyond)"),
+    ("--max-logprob-entries", "max_logprob_entries", int, 1, "most log-probability entries (a token or an "
+     "alternative) in one answer, over its prompt, generated tokens and choices (400 beyond)"),
+    ("--max-decoded-image-mb", "max_decoded_image_bytes", float, 2**20, "MiB that one request's images may take "
+     "decoded, pixels and their RGB copy (400 beyond, from the image header)"),
+    ("--max-image-decodes", "max_image_decodes", int, 1, "requests decoding images at once (the others wait)"),
 )
 
 
@@ -255,7 +261,7 @@ def _add_chat(commands: argparse._SubParsersAction) -> None:
     sub.add_argument("--top-p", type=float, default=0.95)
     sub.add_argument("--seed", type=int)
     sub.add_argument("--image", action="append", default=[], metavar="PATH",
-                     help="an image (PNG, JPEG, WebP, ...) shown with the first message (repeatable)")
+                     help="an image (PNG, JPEG, WebP or a still GIF) shown with the first message (repeatable)")
 
 
 def _add_route(commands: argparse._SubParsersAction) -> None:

@@ -64,6 +64,8 @@ NUM_SPECIAL_TOKENS = len(SPECIAL_TOKENS)
 MIN_VOCAB_SIZE = 256 + NUM_SPECIAL_TOKENS
 #: File name written by :meth:`Tokenizer.save` inside the target directory.
 TOKENIZER_FILE = "tokenizer.json"
+#: Ids beyond which `Tokenizer.decode` uses the ``tokenizers`` call that releases the GIL (issue 35).
+DECODE_IN_BATCH = 1024
 
 
 def _special_name(name: str) -> str:
@@ -135,7 +137,9 @@ class Tokenizer(Vocabulary):
         if not isinstance(text, str):
             raise TypeError(f"encode expects str, got {type(text).__name__}")
         hf = self._hf if allow_special else self._plain
-        return hf.encode(text, add_special_tokens=False).ids
+        # the batch call releases the GIL (a long text does not stall the server's other threads) and is the
+        # faster one even for a short text
+        return hf.encode_batch_fast([text], add_special_tokens=False)[0].ids
 
     def encode_batch(self, texts: Sequence[str], allow_special: bool = False) -> list[list[int]]:
         """:meth:`encode` for many texts at once (parallel in the ``tokenizers`` library)."""
@@ -158,6 +162,8 @@ class Tokenizer(Vocabulary):
             if j != i or not 0 <= j < self._size:
                 raise ValueError(f"token id {i!r} out of range [0, {self._size})")
             out.append(j)
+        if len(out) > DECODE_IN_BATCH:  # the batch call releases the GIL; for a few ids the plain one is faster
+            return self._hf.decode_batch([out], skip_special_tokens=False)[0]
         return self._hf.decode(out, skip_special_tokens=False)
 
     def id_to_token(self, token_id: int) -> str:

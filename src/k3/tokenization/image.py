@@ -1,12 +1,17 @@
 """Images and videos → MoonViT-V2 inputs (SPEC §6; the release's processor, SPEC §10).
 
-An image is decoded (PNG, JPEG, WebP, …; `decode_image`), resized with its aspect ratio kept so that its 14-px
-patches fit the patch budget (``scale = min(1, √(budget / (⌊W/14⌋·⌊H/14⌋)), 512·14/W, 512·14/H)``, bicubic),
+An image is decoded (PNG, JPEG, WebP or a still GIF; `decode_image`), resized with its aspect ratio kept so that
+its 14-px patches fit the patch budget (``scale = min(1, √(budget / (⌊W/14⌋·⌊H/14⌋)), 512·14/W, 512·14/H)``, bicubic),
 made opaque by compositing any transparency over the release's chessboard (squares of 8 px, 255 / 180 grey —
 transparent pixels are kept, never dropped), zero-padded right and bottom to a multiple of 28 (two patches, the
 2×2 merge), normalised to ``(x/255 − 0.5) / 0.5`` and cut into patches row-major, channel-first inside a patch:
 ``pixel_values [h·w, 3·14·14]`` with grid ``(1, h, w)``. A video's frames share one size and are cut into chunks of
 at most ``max_frames`` frames, each chunk one grid ``(t, h, w)``; a one-frame video is exactly the image.
+
+Decoding is bounded before it starts: Pillow reads an image's size and mode from its header, so an image whose
+pixels exceed `MAX_PIXELS`, or whose decoding would take more than the caller's byte budget (`decoded_bytes`), is
+refused before a pixel is decompressed; only the named formats' plugins are asked (never EPS, which would run
+Ghostscript); animated images are refused (one frame would be used and the rest silently dropped).
 """
 
 from __future__ import annotations
@@ -19,13 +24,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image, UnidentifiedImageError
+from PIL import Image, ImageMode, UnidentifiedImageError
 from torch import Tensor
 
 PATCH = 14
 MERGE = 2
 SIDE_LIMIT = 512  # patches per side at most (the release's patch_limit_on_one_side)
 MAX_PIXELS = 64 * 2**20  # decoded images larger than this are refused (decompression bombs)
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF")  # what `decode_image` opens (Pillow's names); no other plugin is asked
 
 
 @dataclass(frozen=True)
@@ -44,8 +50,28 @@ class VisualInput:
         return (h // MERGE) * (w // MERGE)
 
 
-def decode_image(data: bytes | str | Path) -> Image.Image:
-    """Decode image bytes (or a file); anything unreadable, empty or too large is a ValueError saying why."""
+def decoded_bytes(image: Image.Image) -> int:
+    """The bytes decoding ``image`` holds at its peak, known from its header: its pixels as Pillow stores them (4
+    bytes for several bands, else the band's size) plus their RGB(A) copy (4 bytes a pixel) that is resized."""
+    mode = ImageMode.getmode(image.mode)
+    stored = 4 if len(mode.bands) > 1 else int(mode.typestr[-1])
+    return image.width * image.height * (stored + 4)
+
+
+def _identify(raw: bytes, formats: tuple[str, ...]) -> str:
+    """Why ``raw`` is no image of ``formats``: the documented format it is instead, if it is one."""
+    try:
+        found = Image.open(io.BytesIO(raw), formats=IMAGE_FORMATS).format
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError):
+        return f"the bytes are not a {' or '.join(formats)} image"
+    return f"the bytes are a {found} image, not {' or '.join(formats)}"
+
+
+def decode_image(data: bytes | str | Path, formats: tuple[str, ...] = IMAGE_FORMATS,
+                 max_bytes: int | None = None) -> Image.Image:
+    """Decode image bytes (or a file) of one of ``formats`` (Pillow's names), refusing before decoding one whose
+    `decoded_bytes` exceed ``max_bytes``; anything unreadable, empty, animated or too large is a ValueError saying
+    why."""
     try:
         raw = Path(data).read_bytes() if isinstance(data, (str, Path)) else bytes(data)
     except OSError as err:
@@ -55,17 +81,29 @@ def decode_image(data: bytes | str | Path) -> Image.Image:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            image = Image.open(io.BytesIO(raw))
-            if image.width * image.height > MAX_PIXELS:
-                raise ValueError(f"image is {image.width}×{image.height} pixels, more than the {MAX_PIXELS:,} "
-                                 f"accepted")
+            try:
+                image = Image.open(io.BytesIO(raw), formats=list(formats))
+            except UnidentifiedImageError as err:
+                raise ValueError(f"cannot decode image: {_identify(raw, formats)}") from err
+            _check_header(image, max_bytes)
             image.load()
-    except (UnidentifiedImageError, OSError, SyntaxError, Image.DecompressionBombWarning,
-            Image.DecompressionBombError) as err:
+    except (OSError, SyntaxError, Image.DecompressionBombWarning, Image.DecompressionBombError) as err:
         raise ValueError(f"cannot decode image ({type(err).__name__}: {err})") from err
     if image.width < 1 or image.height < 1:
         raise ValueError(f"image has no pixels ({image.width}×{image.height})")
     return image
+
+
+def _check_header(image: Image.Image, max_bytes: int | None) -> None:
+    """Refuse, before its pixels are decoded, an image that is too large or animated."""
+    if image.width * image.height > MAX_PIXELS:
+        raise ValueError(f"image is {image.width}×{image.height} pixels, more than the {MAX_PIXELS:,} accepted")
+    if max_bytes is not None and decoded_bytes(image) > max_bytes:
+        raise ValueError(f"image is {image.width}×{image.height} {image.mode}: decoding it takes "
+                         f"{decoded_bytes(image):,} bytes, more than the {max_bytes:,} bytes left of the budget for "
+                         f"decoded images")
+    if image.format in ("GIF", "PNG", "WEBP") and getattr(image, "is_animated", False):
+        raise ValueError(f"image is an animated {image.format}; only still images are accepted (send one frame)")
 
 
 def fitted_size(width: int, height: int, patch_budget: int) -> tuple[int, int]:

@@ -3,6 +3,8 @@ against a real server on loopback, and the pages' HTTP rules (local assets only,
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import http.client
 import json
 import re
@@ -67,15 +69,21 @@ def server(engine):
         yield server
 
 
-def get(url: str, path: str, key: str | None = None) -> tuple[int, str, str]:
-    """(status, content type, body text) of one GET."""
+def fetch(url: str, path: str, key: str | None = None) -> tuple[int, dict[str, str], str]:
+    """(status, headers with lower-case names, body text) of one GET."""
     parts = urlparse(url)
     conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
     conn.request("GET", path, headers={"authorization": f"Bearer {key}"} if key else {})
     response = conn.getresponse()
     body = response.read().decode(errors="replace")
     conn.close()
-    return response.status, response.getheader("content-type", ""), body
+    return response.status, {k.lower(): v for k, v in response.getheaders()}, body
+
+
+def get(url: str, path: str, key: str | None = None) -> tuple[int, str, str]:
+    """(status, content type, body text) of one GET."""
+    status, headers, body = fetch(url, path, key)
+    return status, headers.get("content-type", ""), body
 
 
 def health(url: str) -> dict:
@@ -112,6 +120,30 @@ def test_pages_are_local_and_the_docs_follow_the_key(engine, server):
         assert get(public.url, "/v1/models")[0] == 401
 
 
+def policy(headers: dict[str, str]) -> dict[str, set[str]]:
+    """A Content-Security-Policy header as {directive: sources}."""
+    parts = [d.split() for d in headers["content-security-policy"].split(";") if d.strip()]
+    return {d[0]: set(d[1:]) for d in parts}
+
+
+def test_pages_forbid_framing_inline_code_and_other_origins(server):
+    """Both pages send a Content-Security-Policy and X-Frame-Options: DENY; neither allows inline styles, the chat
+    page no inline script at all (it has none), the docs page only Swagger UI's one inline script, by its hash."""
+    for path in ("/", "/static/chat.html", "/docs"):
+        status, headers, page = fetch(server.url, path, KEY)
+        rules = policy(headers)
+        assert status == 200 and headers["x-frame-options"] == "DENY" and headers["x-content-type-options"] == "nosniff"
+        assert rules["default-src"] == rules["frame-ancestors"] == rules["base-uri"] == {"'none'"}
+        assert rules["connect-src"] == rules["style-src"] == {"'self'"}
+        inline = re.findall(r"<script>(.*?)</script>", page, re.DOTALL)
+        digests = {f"'sha256-{base64.b64encode(hashlib.sha256(s.encode()).digest()).decode()}'" for s in inline}
+        assert rules["script-src"] == {"'self'"} | digests, path
+    page = get(server.url, "/")[2]
+    assert not re.search(r"<script(?![^>]*\bsrc=)|\bstyle=|\bon[a-z]+=", page)  # nothing inline to allow
+    for path in ("/static/chat.js", "/static/chat.css"):
+        assert fetch(server.url, path)[1]["x-content-type-options"] == "nosniff"
+
+
 # ---------------------------------------------------------------------------------------------- the browser
 @pytest.fixture(scope="module")
 def browser():
@@ -126,7 +158,8 @@ def browser():
     options.binary_location = str(CHROMIUM)
     for argument in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1280,900"):
         options.add_argument(argument)
-    options.set_capability("goog:loggingPrefs", {"performance": "ALL"})  # every network request, for the origin check
+    # every network request (for the origin check) and console message (for Content-Security-Policy violations)
+    options.set_capability("goog:loggingPrefs", {"performance": "ALL", "browser": "ALL"})
     driver = webdriver.Chrome(options=options, service=Service(str(CHROMEDRIVER)))
     driver.implicitly_wait(0)
     yield driver
@@ -175,6 +208,11 @@ def text_of(element, selector: str) -> str:
     return found[0].get_attribute("textContent") if found else ""
 
 
+def policy_violations(driver) -> list[str]:
+    """Console messages of the pages loaded since the last call that report a Content-Security-Policy violation."""
+    return [e["message"] for e in driver.get_log("browser") if "Content Security Policy" in e["message"]]
+
+
 def requested_urls(driver) -> list[str]:
     urls = []
     for entry in driver.get_log("performance"):
@@ -194,9 +232,14 @@ def test_chat_page_streams_keeps_the_conversation_and_stops(browser, server, eng
     driver.find_element("id", "api-key").send_keys(KEY + "\t")  # "change" lists the models again, with the key
     wait_for(lambda: page_state(driver) == "ready", what="the model list")
     assert driver.find_element("id", "model").text == MODEL and not error.is_displayed()
-    driver.refresh()  # the key is kept in localStorage
+    driver.refresh()  # the key is kept for this tab in sessionStorage, never in localStorage (which outlives it)
     wait_for(lambda: page_state(driver) == "ready", what="the page to load again")
     assert driver.find_element("id", "api-key").get_attribute("value") == KEY
+    assert driver.execute_script("return [sessionStorage.getItem('k3-api-key'), localStorage.length]") == [KEY, 0]
+    driver.execute_script("localStorage.setItem('k3-api-key', 'left by an older page')")
+    driver.refresh()  # a key an older page left in localStorage is removed
+    wait_for(lambda: page_state(driver) == "ready", what="the page to load a third time")
+    assert driver.execute_script("return localStorage.length") == 0
     driver.execute_script(RECORDER)
 
     # thinking mode (the default): the reply streams into the collapsible reasoning block
@@ -265,6 +308,7 @@ def test_chat_page_streams_keeps_the_conversation_and_stops(browser, server, eng
     urls = requested_urls(driver)
     assert origin in urls and origin + "v1/chat/completions" in urls
     assert all(url.startswith((origin, "data:")) for url in urls), urls  # nothing left the loopback origin
+    assert policy_violations(driver) == []  # the page works within its Content-Security-Policy
 
 
 def test_chat_page_shows_an_error_event_from_the_stream(browser, engine):
@@ -288,6 +332,7 @@ def test_docs_render_the_api_from_local_assets(browser, engine):
     """Swagger UI (served from the package's files) renders the OpenAPI 3.1 document, with nothing from outside."""
     with BackgroundServer(create_app(engine, MODEL)) as server:
         browser.get_log("performance")  # drop what earlier pages requested
+        policy_violations(browser)
         browser.get(server.url + "/docs")
         wait_for(lambda: browser.find_elements("css selector", ".opblock-summary-path"), what="Swagger UI")
         paths = {e.get_attribute("data-path") for e in browser.find_elements("css selector", ".opblock-summary-path")}
@@ -295,3 +340,4 @@ def test_docs_render_the_api_from_local_assets(browser, engine):
         urls = requested_urls(browser)
         assert server.url + "/openapi.json" in urls
         assert all(url.startswith((server.url + "/", "data:")) for url in urls), urls
+        assert policy_violations(browser) == []  # Swagger UI works within its Content-Security-Policy

@@ -7,21 +7,24 @@ Structured output is constrained decoding (`k3.serve.engine.structured`): ``resp
 "required"`` or a named function) constrains the answer to the call as JSON — the named function's arguments,
 or vLLM's ``[{"name", "parameters"}, …]`` for ``required`` — which is returned as ``tool_calls``. A request
 that asks for structure and does not choose a mode is answered in instruct mode (no reasoning first).
+
+A conversation's images are decoded while it is rendered, in the thread pool, by at most the server's number of
+decoding slots at once (`Serving.decoding`); the log-probability entries a request asks for (``prompt_logprobs``
+and generated tokens, over its choices) are bounded before it is queued.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from typing import Any
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from k3.serve.engine import Output
 from k3.chat import chat_format
-from k3.serve.api.serving import Reply, Route
+from k3.serve.api.serving import Reply, Route, json_response, logprob_entries, offload
 from k3.serve.api.jobs import Jobs, error_of
 from k3.serve.api.protocol import APIError, ChatBody, NamedToolChoice, extend_logprobs, sse, vllm_prompt_logprobs
 
@@ -31,7 +34,7 @@ __all__ = ["ChatCompletions"]
 class ChatCompletions(Route):
     """The chat route (OpenAI's ``chat.completion`` objects)."""
 
-    async def __call__(self, request: Request) -> dict | StreamingResponse:
+    async def __call__(self, request: Request) -> Response | StreamingResponse:
         s = self.serving
         body = await s.body(request, ChatBody)
         if not body.skip_special_tokens:
@@ -40,7 +43,7 @@ class ChatCompletions(Route):
         schema, forced = _answer_schema(body)
         structured = schema is not None or body.response_format is not None and body.response_format.type != "text"
         mode = body.explicit_mode() or ("instruct" if structured else s.default_mode)
-        s.check_chars(sum(map(_content_chars, body.messages)), "messages")
+        s.check_messages(body.messages)
         s.check_choices(body.n)
         fmt = chat_format(self.tokenizer)
         tool_choice = body.tool_choice if isinstance(body.tool_choice, str) else "required" if forced else "auto"
@@ -48,19 +51,23 @@ class ChatCompletions(Route):
         images = s.image_parts() if fmt.IMAGES else None
         media = {} if images is None else {"media": images}
         try:
-            prompt = await run_in_threadpool(lambda: fmt.render(body.messages, self.tokenizer, mode, body.tools,
-                                                                tool_choice=tool_choice,
-                                                                response_format=response_format, **media))
+            async with s.decoding(body.messages if images is not None else None):
+                prompt = await run_in_threadpool(lambda: fmt.render(body.messages, self.tokenizer, mode, body.tools,
+                                                                    tool_choice=tool_choice,
+                                                                    response_format=response_format, **media))
         except ValueError as err:
             raise APIError(400, str(err), param="messages") from err
         rendered, prompt = len(prompt), body.truncate(prompt)
+        requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        max_tokens = s.max_tokens(requested, len(prompt))
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        s.check_logprobs({"prompt_logprobs": logprob_entries(len(prompt), body.prompt_logprobs) * body.n,
+                          "logprobs": logprob_entries(max_tokens, top) * body.n})
         stop_ids = fmt.stop_ids(self.tokenizer)
         constraint = await s.constraint(schema, stop_ids, forced or "response_format") if structured else None
-        requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        top = (body.top_logprobs or 0) if body.logprobs else None
         try:  # the engine checks that the prompt holds the images' slots
             run = s.submit([(prompt, params, fmt.AssistantParser(self.tokenizer, mode)) for params in body.sampling(
-                s.max_tokens(requested, len(prompt)), stop_ids, top, self.tokenizer.vocab_size, constraint)],
+                max_tokens, stop_ids, top, self.tokenizer.vocab_size, constraint)],
                 images=images.inputs if images is not None and images.inputs else None)
         except APIError as err:
             if err.param != "prompt" or len(prompt) == rendered:
@@ -95,16 +102,6 @@ def _answer_schema(body: ChatBody) -> tuple[dict | None, str | None]:
         return body.guided_json, None
     f = body.response_format
     return (f.json_schema.schema_ if f is not None and f.type == "json_schema" else None), None
-
-
-def _content_chars(message: Any) -> int:
-    """Characters of a message's text content (what is certainly encoded as text; for the cheap bound)."""
-    content = message.get("content") if isinstance(message, dict) else None
-    if isinstance(content, str):
-        return len(content)
-    if isinstance(content, list):
-        return sum(len(p["text"]) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
-    return 0
 
 
 class _Reply(Reply):
@@ -191,23 +188,28 @@ class _Reply(Reply):
                                            "finish_reason": reason}])))
         return events
 
-    async def whole(self, run: Jobs, request: Request) -> dict:
+    async def whole(self, run: Jobs, request: Request) -> Response:
         n = self.body.n
         parts = [{"reasoning_content": "", "content": ""} for _ in range(n)]
         finish: list[str | None] = [None] * n
         lps: list[dict[str, list]] = [{} for _ in range(n)]
-        prompt_logprobs = None
-        async for i, output in run.outputs(request):
-            if (err := error_of(output)) is not None:
-                raise err
-            self.record(i, output)
+        prompt_logprobs = None  # the first choice's (each choice scores the same prompt)
+
+        def add(i: int, output: Output) -> None:
+            nonlocal prompt_logprobs
             routed = [d for channel, text in output.deltas for d in self._route(i, channel, text)]
             for key, text in routed + (self._close(i) if output.finish_reason is not None else []):
                 parts[i][key] += text
             finish[i] = output.finish_reason
             extend_logprobs(lps[i], self.logprobs(output))
             if output.prompt_logprobs is not None and prompt_logprobs is None:
-                prompt_logprobs = vllm_prompt_logprobs(output.prompt_logprobs, self.decode)
+                prompt_logprobs = vllm_prompt_logprobs(output.prompt_logprobs, self.decode, self.body.prompt_logprobs)
+
+        async for i, output in run.outputs(request):
+            if (err := error_of(output)) is not None:
+                raise err
+            self.record(i, output)
+            await offload(self.heavy(i, output), add, i, output)
         choices = []
         for i, p in enumerate(parts):
             calls, reason = self._tool_calls(self.tool_text[i], finish[i])
@@ -219,7 +221,7 @@ class _Reply(Reply):
         out = self.chunk(choices, self.usage(), "chat.completion")
         if self.body.prompt_logprobs is not None:
             out["prompt_logprobs"] = prompt_logprobs
-        return out
+        return await json_response(out)
 
 
 def _logprob(decode: Callable[[list[int]], str], token: int, logprob: float,

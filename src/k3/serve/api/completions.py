@@ -4,7 +4,8 @@
 before the generated ones (the first prompt token's is ``null``), as OpenAI's legacy completions and vLLM return
 them — what lm-eval's loglikelihood tasks read; ``max_tokens: 0`` with ``echo`` only scores the prompt.
 ``best_of`` generates that many choices per prompt and returns the ``n`` with the highest cumulative
-log-probability. vLLM's ``prompt_logprobs`` come per choice.
+log-probability. vLLM's ``prompt_logprobs`` come per choice. The log-probability entries a request asks for
+(echoed prompt, ``prompt_logprobs`` and generated tokens, over every choice) are bounded before it is queued.
 """
 
 from __future__ import annotations
@@ -14,12 +15,12 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from k3.serve.engine import Output, TextProcessor
 from k3.serve.engine.sampling import TokenLogprob
-from k3.serve.api.serving import Reply, Route
+from k3.serve.api.serving import Reply, Route, json_response, logprob_entries, offload
 from k3.serve.api.jobs import Jobs, error_of
 from k3.serve.api.protocol import APIError, CompletionBody, extend_logprobs, sse, vllm_prompt_logprobs
 
@@ -29,7 +30,7 @@ __all__ = ["Completions"]
 class Completions(Route):
     """The completions route (OpenAI's ``text_completion`` objects)."""
 
-    async def __call__(self, request: Request) -> dict | StreamingResponse:
+    async def __call__(self, request: Request) -> Response | StreamingResponse:
         s = self.serving
         body = await s.body(request, CompletionBody)
         texts = [body.prompt] if isinstance(body.prompt, str) else [p for p in body.prompt if isinstance(p, str)]
@@ -40,10 +41,15 @@ class Completions(Route):
         prompts = [body.truncate(p) for p in await run_in_threadpool(_prompts, body.prompt, self.tokenizer.encode)]
         constraint = await s.constraint(body.guided_json, (self.tokenizer.eos_id,), "guided_json") \
             if body.guided_json is not None else None
-        top = body.logprobs
-        jobs = [(prompt, params, TextProcessor(self.tokenizer, body.skip_special_tokens)) for prompt in prompts
-                for params in body.sampling(s.max_tokens(body.max_tokens, len(prompt)), (self.tokenizer.eos_id,),
-                                            top, self.tokenizer.vocab_size, constraint, per_prompt)]
+        top, lengths = body.logprobs, [s.max_tokens(body.max_tokens, len(prompt)) for prompt in prompts]
+        prompt_tokens = sum(map(len, prompts))
+        s.check_logprobs({"echo": logprob_entries(prompt_tokens, top if body.echo else None) * per_prompt,
+                          "prompt_logprobs": logprob_entries(prompt_tokens, body.prompt_logprobs) * per_prompt,
+                          "logprobs": logprob_entries(sum(lengths), top) * per_prompt})
+        jobs = [(prompt, params, TextProcessor(self.tokenizer, body.skip_special_tokens))
+                for prompt, length in zip(prompts, lengths)
+                for params in body.sampling(length, (self.tokenizer.eos_id,), top, self.tokenizer.vocab_size,
+                                            constraint, per_prompt)]
         if body.echo and top is not None:  # the prompt's log-probabilities come with the echoed prompt
             jobs = [(prompt, replace(params, prompt_logprobs=max(top, params.prompt_logprobs or 0)), processor)
                     for prompt, params, processor in jobs]
@@ -75,7 +81,8 @@ class _Reply(Reply):
         texts = [self.decode([t]) for t in tokens]
         offsets = list(itertools.accumulate(map(len, texts), initial=offset))[:-1]  # where each token's text starts
         return {"tokens": texts, "token_logprobs": [None if t is None else t.logprob for t in scored],
-                "top_logprobs": [None if t is None else {self.decode([i]): lp for i, lp in t.top} for t in scored],
+                "top_logprobs": [None if t is None else {self.decode([i]): lp for i, lp in t.top[:self.body.logprobs]}
+                                 for t in scored],
                 "text_offset": offsets}
 
     def _parts(self, job: int, output: Output, offset: int) -> tuple[str, dict | None]:
@@ -96,6 +103,9 @@ class _Reply(Reply):
             text = echoed + text
         return text, logprobs
 
+    def heavy(self, index: int, output: Output) -> bool:
+        return super().heavy(index, output) or (self.body.echo and not self.echoed[index])
+
     def events(self, index: int, output: Output) -> list[str]:
         text, logprobs = self._parts(index, output, self.sent[index])
         self.sent[index] += len(text)
@@ -103,23 +113,28 @@ class _Reply(Reply):
             return []
         choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": output.finish_reason}
         if output.prompt_logprobs is not None and self.body.prompt_logprobs is not None:
-            choice["prompt_logprobs"] = vllm_prompt_logprobs(output.prompt_logprobs, self.decode)
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(output.prompt_logprobs, self.decode,
+                                                             self.body.prompt_logprobs)
         return [sse(self.chunk([choice]))]
 
-    async def whole(self, run: Jobs, request: Request) -> dict:
+    async def whole(self, run: Jobs, request: Request) -> Response:
         jobs = len(self.completion_tokens)
         texts, finish, lps = [""] * jobs, [None] * jobs, [{} for _ in range(jobs)]
         scores, prompt_lps = [0.0] * jobs, [None] * jobs
-        async for i, output in run.outputs(request):
-            if (err := error_of(output)) is not None:
-                raise err
-            self.record(i, output)
+
+        def add(i: int, output: Output) -> None:
             text, logprobs = self._parts(i, output, len(texts[i]))
             extend_logprobs(lps[i], logprobs)
             texts[i] += text
             finish[i], scores[i] = output.finish_reason, output.cumulative_logprob
-            if output.prompt_logprobs is not None:
-                prompt_lps[i] = vllm_prompt_logprobs(output.prompt_logprobs, self.decode)
+            if output.prompt_logprobs is not None and self.body.prompt_logprobs is not None:
+                prompt_lps[i] = vllm_prompt_logprobs(output.prompt_logprobs, self.decode, self.body.prompt_logprobs)
+
+        async for i, output in run.outputs(request):
+            if (err := error_of(output)) is not None:
+                raise err
+            self.record(i, output)
+            await offload(self.heavy(i, output), add, i, output)
         choices = []
         for p in range(len(self.prompts)):  # per prompt, the n best of best_of by cumulative log-probability
             best = sorted(range(p * self.per_prompt, (p + 1) * self.per_prompt), key=lambda j: -scores[j])
@@ -129,7 +144,7 @@ class _Reply(Reply):
                 if self.body.prompt_logprobs is not None:
                     choice["prompt_logprobs"] = prompt_lps[j]
                 choices.append(choice)
-        return self.chunk(choices, self.usage())
+        return await json_response(self.chunk(choices, self.usage()))
 
 
 def _is_ids(prompt: str | list) -> bool:

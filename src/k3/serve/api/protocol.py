@@ -13,7 +13,6 @@ fields (as in vLLM): ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens`
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -21,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
 
 from k3.serve.engine import ContextLengthExceeded, SamplingParams
 from k3.serve.asgi.guard import error_body
+from k3.serve.api.encoding import dumps
 
 __all__ = ["MESSAGE_SCHEMA", "NOT_IMPLEMENTED", "APIError", "ChatBody", "CompletionBody", "NamedToolChoice",
            "StrictBody", "extend_logprobs", "invalid", "parse_body", "request_body", "schemas", "sse", "usage",
@@ -288,7 +288,8 @@ def request_body(model: type[BaseModel]) -> dict:
 
 # ---------------------------------------------------------------------- responses
 def sse(data: dict | str, event: str | None = None) -> str:
-    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    """One Server-Sent Event (JSON encoded in pieces: `k3.serve.api.encoding`)."""
+    text = data if isinstance(data, str) else dumps(data)
     return (f"event: {event}\n" if event else "") + f"data: {text}\n\n"
 
 
@@ -299,15 +300,17 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-def vllm_prompt_logprobs(scored: list[Any], decode: Callable[[list[int]], str]) -> list[dict | None]:
+def vllm_prompt_logprobs(scored: list[Any], decode: Callable[[list[int]], str], top: int) -> list[dict | None]:
     """vLLM's ``prompt_logprobs`` from the engine's `TokenLogprob` list: per prompt token None (the first) or
-    ``{id: {logprob, rank, decoded_token}}`` holding the prompt token and the most likely alternatives."""
+    ``{id: {logprob, rank, decoded_token}}`` holding the prompt token and the ``top`` most likely alternatives (the
+    engine may have scored more, for ``echo``)."""
     out: list[dict | None] = []
     for t in scored:
         if t is None:
             out.append(None)
             continue
-        entry = {str(i): {"logprob": lp, "rank": r, "decoded_token": decode([i])} for r, (i, lp) in enumerate(t.top, 1)}
+        entry = {str(i): {"logprob": lp, "rank": r, "decoded_token": decode([i])}
+                 for r, (i, lp) in enumerate(t.top[:top], 1)}
         entry.setdefault(str(t.token_id), {"logprob": t.logprob, "rank": t.rank, "decoded_token": decode([t.token_id])})
         out.append(entry)
     return out

@@ -6,31 +6,59 @@ pool, so one large request never stalls `/health` or other clients' streams. Bef
 bound refuses prompts that cannot fit: text of ``n`` characters has at least ``n / max_token_bytes``
 tokens, so a prompt whose bound already exceeds the context is a 400 ``context_length_exceeded`` in
 O(1), however many megabytes it is.
+
+Answers are bounded before any work starts and built off the event loop (issue 35): a request whose answer would
+hold more log-probability entries than `Limits.max_logprob_entries` is a 400 naming the field that asks for most
+(`check_logprobs`); an output carrying a prompt's log-probabilities is turned into events in the thread pool, and
+whole answers are serialised there (`json_response`). Conversations with images are rendered (their images
+decoded) by at most `Limits.max_image_decodes` requests at once (`decoding`); the others wait without a thread.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 from fastapi import Request
+from fastapi.responses import Response
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
 from k3.tokenization.image import VisualInput
 from k3.serve.engine import Engine, Output, Processor, SamplingParams
 from k3.serve.asgi.guard import Limits
-from k3.serve.api.images import ImageParts
+from k3.serve.api.images import ImageParts, has_images
 from k3.serve.api.jobs import Jobs, error_of
+from k3.serve.api.encoding import dumps
 from k3.serve.api.metrics import Metrics
 from k3.serve.api.protocol import APIError, parse_body, sse, usage
 from k3.serve.engine.structured import json_constraint
 
-__all__ = ["Reply", "Route", "Serving"]
+__all__ = ["Reply", "Route", "Serving", "json_response", "logprob_entries", "offload"]
 
 B = TypeVar("B", bound=BaseModel)
+R = TypeVar("R")
+
+
+def logprob_entries(tokens: int, top: int | None) -> int:
+    """Log-probability entries of ``tokens`` scored with ``top`` alternatives each (None: not scored)."""
+    return 0 if top is None else tokens * (top + 1)
+
+
+async def offload(heavy: bool, fn: Callable[..., R], *args: Any) -> R:
+    """``fn(*args)``, in the thread pool when ``heavy`` (work that grows with a prompt), else at once."""
+    return await run_in_threadpool(fn, *args) if heavy else fn(*args)
+
+
+async def json_response(body: dict) -> Response:
+    """``body`` as a JSON response, encoded in pieces in the thread pool (an answer of many megabytes stalls
+    neither the event loop nor, holding the GIL, its other threads)."""
+    text = await run_in_threadpool(dumps, body, False)
+    return Response(text.encode(), media_type="application/json")
 
 
 class Serving:
@@ -43,6 +71,7 @@ class Serving:
         self.metrics = Metrics(engine)
         self.tokenizer = engine.tokenizer
         self.created = int(time.time())
+        self.decodes = asyncio.Semaphore(limits.max_image_decodes)
 
     async def body(self, request: Request, model: type[B]) -> B:
         """The request's JSON body validated as ``model`` (in a worker thread)."""
@@ -62,10 +91,26 @@ class Serving:
                                 f"However, your {param} has {chars} characters, which is at least {least} tokens. "
                                 f"Please reduce the {param}.", param=param, code="context_length_exceeded")
 
+    def check_messages(self, messages: list) -> None:
+        """`check_chars` for a conversation: the characters of its messages' text content."""
+        self.check_chars(sum(map(_content_chars, messages)), "messages")
+
     def check_choices(self, count: int) -> None:
         if count > self.limits.max_choices:
             raise APIError(400, f"n: this request asks for {count} generations (prompts × n); this server allows "
                                 f"at most {self.limits.max_choices} per request", param="n")
+
+    def check_logprobs(self, entries: dict[str, int]) -> None:
+        """Refuse a request whose answer would hold more log-probability entries than the server allows; ``entries``
+        maps each field asking for some to their number over every choice (`logprob_entries`). The 400 names the
+        field asking for most."""
+        total, limit = sum(entries.values()), self.limits.max_logprob_entries
+        if total > limit:
+            param = max(entries, key=entries.__getitem__)
+            asked = ", ".join(f"{name} {count:,}" for name, count in entries.items() if count)
+            raise APIError(400, f"{param}: this request asks for {total:,} log-probability entries (a token or an "
+                                f"alternative, over every choice: {asked}); this server returns at most {limit:,} per "
+                                f"request. Ask for fewer tokens (max_tokens), alternatives or choices", param=param)
 
     def max_tokens(self, requested: int | None, prompt_tokens: int) -> int:
         """``requested``, or what the context leaves after the prompt (at least 1)."""
@@ -90,7 +135,28 @@ class Serving:
         """A collector for a request's ``image_url`` parts, if the model has a vision encoder."""
         if self.engine.model.vision is None:
             return None
-        return ImageParts(self.engine.model.config.vision.patch_budget, self.limits.max_images)
+        return ImageParts(self.engine.model.config.vision.patch_budget, self.limits.max_images,
+                          self.limits.max_decoded_image_bytes)
+
+    @asynccontextmanager
+    async def decoding(self, messages: Any) -> AsyncIterator[None]:
+        """One of the server's image-decoding slots, held while a conversation with images is rendered (a
+        conversation without images passes at once)."""
+        if not has_images(messages):
+            yield
+            return
+        async with self.decodes:
+            yield
+
+
+def _content_chars(message: Any) -> int:
+    """Characters of a message's text content (what is certainly encoded as text; for the cheap bound)."""
+    content = message.get("content") if isinstance(message, dict) else None
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):
+        return sum(len(p["text"]) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return 0
 
 
 class Route:
@@ -136,6 +202,10 @@ class Reply:
         """SSE events sent before any output."""
         return []
 
+    def heavy(self, index: int, output: Output) -> bool:
+        """Whether turning an output into a response grows with the prompt (then it is done off the event loop)."""
+        return output.prompt_logprobs is not None
+
     def events(self, index: int, output: Output) -> list[str]:
         """SSE events for one output of choice ``index``."""
         raise NotImplementedError
@@ -151,7 +221,7 @@ class Reply:
                 if (err := error_of(output)) is not None:
                     yield sse(err.body(), "error")
                     return
-                for event in self.events(i, output):
+                for event in await offload(self.heavy(i, output), self.events, i, output):
                     yield event
         except APIError as err:  # the request timed out
             yield sse(err.body(), "error")

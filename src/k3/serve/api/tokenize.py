@@ -6,6 +6,10 @@ literals become their ids, as Hugging Face tokenizers and vLLM do; ``add_special
 ``messages`` (rendered with the generation prompt in the chat format, ``mode`` as in chat requests) and returns
 ``{"count", "max_model_len", "tokens"[, "token_strs"]}``; ``/detokenize`` turns ``tokens`` back into
 ``{"prompt"}``. Bodies are strict like every other request: unknown fields are 400s.
+
+The work is bounded before it starts and done off the event loop: a prompt or conversation whose text cannot fit
+the context is refused by the cheap bound of `Serving.check_chars`, more ``tokens`` than the context holds are a
+400 naming ``tokens``, and encoding, decoding and the answer's JSON run in the thread pool.
 """
 
 from __future__ import annotations
@@ -13,11 +17,12 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from fastapi import Request
+from fastapi.responses import Response
 from pydantic import Field
 from starlette.concurrency import run_in_threadpool
 
 from k3.chat import chat_format
-from k3.serve.api.serving import Route
+from k3.serve.api.serving import Route, json_response
 from k3.serve.api.protocol import APIError, StrictBody
 
 __all__ = ["DetokenizeBody", "Detokenize", "TokenizeBody", "Tokenize", "tokenizer_info"]
@@ -40,7 +45,7 @@ class DetokenizeBody(StrictBody):
 
 
 class Tokenize(Route):
-    async def __call__(self, request: Request) -> dict:
+    async def __call__(self, request: Request) -> Response:
         body = await self.serving.body(request, TokenizeBody)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "prompt: give exactly one of 'prompt' or 'messages'", param="prompt")
@@ -50,6 +55,7 @@ class Tokenize(Route):
             ids = await run_in_threadpool(tok.encode, body.prompt, True)
             ids = [tok.bos_id] + ids if body.add_special_tokens else ids
         else:
+            self.serving.check_messages(body.messages)
             fmt, mode = chat_format(tok), body.mode or self.serving.default_mode
             try:
                 ids = await run_in_threadpool(fmt.render, body.messages, tok, mode, body.tools,
@@ -58,15 +64,19 @@ class Tokenize(Route):
                 raise APIError(400, str(err), param="messages") from err
         out: dict[str, Any] = {"count": len(ids), "max_model_len": self.serving.engine.max_model_len, "tokens": ids}
         if body.return_token_strs:
-            out["token_strs"] = [tok.decode([t]) for t in ids]
-        return out
+            out["token_strs"] = await run_in_threadpool(lambda: [tok.decode([t]) for t in ids])
+        return await json_response(out)
 
 
 class Detokenize(Route):
-    async def __call__(self, request: Request) -> dict:
+    async def __call__(self, request: Request) -> Response:
         body = await self.serving.body(request, DetokenizeBody)
+        limit = self.serving.engine.max_model_len
+        if len(body.tokens) > limit:
+            raise APIError(400, f"tokens: {len(body.tokens):,} token ids; this server detokenizes at most its context "
+                                f"length, {limit:,}", param="tokens")
         try:
-            return {"prompt": self.tokenizer.decode(body.tokens)}
+            return await json_response({"prompt": await run_in_threadpool(self.tokenizer.decode, body.tokens)})
         except ValueError as err:
             raise APIError(400, f"tokens: {err}", param="tokens") from err
 

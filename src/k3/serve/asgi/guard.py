@@ -50,9 +50,15 @@ class Limits:
     drain_timeout: float = 30.0  # seconds a SIGTERM waits for running requests before cancelling them
     public_docs: bool = False  # serve /docs and /openapi.json without the API key
     max_images: int = 8  # image_url parts in one request (400 beyond)
+    # bounded answers and decoding (issue 35): log-probability entries (a token or an alternative) in one request's
+    # answer, over every choice; decoded image bytes per request (pixels plus their RGB(A) copy); decodes at once
+    max_logprob_entries: int = 2**18  # (400 beyond)
+    max_decoded_image_bytes: int = 256 * 2**20  # (400 beyond, refused from the image's header)
+    max_image_decodes: int = 2  # requests decoding images at once, across all requests (the others wait)
 
     def __post_init__(self) -> None:
-        for name in ("max_body_bytes", "max_choices", "max_connections", "max_connections_per_client", "max_images"):
+        for name in ("max_body_bytes", "max_choices", "max_connections", "max_connections_per_client", "max_images",
+                     "max_logprob_entries", "max_decoded_image_bytes", "max_image_decodes"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected a positive integer, got {getattr(self, name)!r}")
         for name in ("header_timeout", "body_timeout", "keep_alive_timeout", "request_timeout", "drain_timeout"):

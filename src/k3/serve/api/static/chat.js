@@ -212,11 +212,13 @@ $("stop").addEventListener("click", () => state.controller?.abort());
 $("new-chat").addEventListener("click", newChat);
 $("api-key").addEventListener("change", () => {
   const key = $("api-key").value.trim();
-  if (key) localStorage.setItem(KEY_ITEM, key);
-  else localStorage.removeItem(KEY_ITEM);
+  if (key) sessionStorage.setItem(KEY_ITEM, key);
+  else sessionStorage.removeItem(KEY_ITEM);
   loadModel();
 });
 
-$("api-key").value = localStorage.getItem(KEY_ITEM) ?? "";
+// The key lives in this tab's sessionStorage (gone when the tab closes); pages before it kept it in localStorage.
+localStorage.removeItem(KEY_ITEM);
+$("api-key").value = sessionStorage.getItem(KEY_ITEM) ?? "";
 loadModel();
 $("prompt").focus();
