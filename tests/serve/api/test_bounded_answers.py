@@ -24,8 +24,9 @@ from k3.serve.api.app import BackgroundServer, Limits, create_app
 from k3.serve.engine import Engine
 
 #: What the event-loop tests allow /health to take while a hostile request runs: generous (it answers in
-#: milliseconds), and far below the seconds the loop was blocked for when these answers were built on it.
-HEALTH_BOUND = 0.5
+#: milliseconds on an idle machine, ~0.5 s at worst on 2 busy cores, where the poller, the server and the worker
+#: share one GIL), and below the 2.4-2.7 s the loop was blocked for when these answers were built on it.
+HEALTH_BOUND = 1.2
 
 
 @pytest.fixture(scope="module")
