@@ -1,13 +1,19 @@
 """Shared pieces of the HTTP API tests: the served model name, a chat and tools to send, a standard-library
-request, and a server whose model emits a script (`serving.Scripted`)."""
+request, a server whose model emits a script (`serving.Scripted`), and a real `k3 serve` process."""
 
 from __future__ import annotations
 
 import http.client
 import json
+import os
+import socket
+import subprocess
+import sys
+import time
 from urllib.parse import urlparse
 
 import serving
+from gloo import free_port
 from k3.chat import native as chat
 from k3.serve.api.app import create_app
 from k3.serve.asgi.server import BackgroundServer
@@ -37,3 +43,21 @@ def scripted_server(script_text: list[str | int], fail_after: int | None = None)
     start = len(chat.render(HELLO, tok, "thinking", tools=TOOLS))
     engine = Engine(serving.Scripted(start, script, fail_after), tok).start()
     return engine, BackgroundServer(create_app(engine, MODEL))
+
+
+def start_server(ckpt, *flags: str) -> tuple[subprocess.Popen, int]:
+    """A real `k3 serve` process (API key "k") on a free port, once it answers."""
+    port = free_port()
+    command = [sys.executable, "-m", "k3.cli", "serve", "--ckpt", str(ckpt), "--port", str(port), "--api-key", "k",
+               *flags]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert "model 'k3-tiny'" in proc.stdout.readline()
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return proc, port
+        except OSError:
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.1)

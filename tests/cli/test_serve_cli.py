@@ -5,19 +5,17 @@ from __future__ import annotations
 import http.client
 import io
 import json
-import os
 import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import openai
 import pytest
 
 import serving
-from gloo import free_port
+from http_api import start_server
 from k3.cli import main
 from k3.model.checkpoint import load_model, save_model
 
@@ -34,24 +32,6 @@ def test_save_model_round_trip(ckpt):
     assert tok == serving.tokenizer()
     for (name, a), (_, b) in zip(model.state_dict().items(), reference.state_dict().items(), strict=True):
         assert a.equal(b), name
-
-
-def start_server(ckpt, *flags: str) -> tuple[subprocess.Popen, int]:
-    """A real `k3 serve` process (API key "k") on a free port, once it answers."""
-    port = free_port()
-    command = [sys.executable, "-m", "k3.cli", "serve", "--ckpt", str(ckpt), "--port", str(port), "--api-key", "k",
-               *flags]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    assert "model 'k3-tiny'" in proc.stdout.readline()
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1):
-                return proc, port
-        except OSError:
-            assert time.monotonic() < deadline and proc.poll() is None
-            time.sleep(0.1)
 
 
 def test_k3_serve_subprocess(ckpt):

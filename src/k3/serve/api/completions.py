@@ -37,7 +37,7 @@ class Completions(Route):
             s.check_chars(len(text), "prompt")
         per_prompt = body.best_of or body.n
         s.check_choices((1 if isinstance(body.prompt, str) or _is_ids(body.prompt) else len(body.prompt)) * per_prompt)
-        prompts = [body.truncate(p) for p in await run_in_threadpool(_prompts, body.prompt, self.tokenizer.encode)]
+        prompts = [body.truncate(p) for p in await run_in_threadpool(_prompts, body.prompt, s.encode_prompt)]
         constraint = await s.constraint(body.guided_json, (self.tokenizer.eos_id,), "guided_json") \
             if body.guided_json is not None else None
         top = body.logprobs
@@ -49,6 +49,7 @@ class Completions(Route):
                     for prompt, params, processor in jobs]
         run = s.submit(jobs)
         reply = _Reply(s.model_name, body, self.tokenizer.decode, prompts, per_prompt)
+        reply.grammar = "guided_json" if constraint is not None else None
         if body.stream:
             return StreamingResponse(reply.stream(run), media_type="text/event-stream")
         return await reply.whole(run, request)
@@ -111,7 +112,7 @@ class _Reply(Reply):
         texts, finish, lps = [""] * jobs, [None] * jobs, [{} for _ in range(jobs)]
         scores, prompt_lps = [0.0] * jobs, [None] * jobs
         async for i, output in run.outputs(request):
-            if (err := error_of(output)) is not None:
+            if (err := error_of(output, self.grammar)) is not None:
                 raise err
             self.record(i, output)
             text, logprobs = self._parts(i, output, len(texts[i]))

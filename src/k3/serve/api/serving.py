@@ -10,6 +10,7 @@ O(1), however many megabytes it is.
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -26,7 +27,6 @@ from k3.serve.api.images import ImageParts
 from k3.serve.api.jobs import Jobs, error_of
 from k3.serve.api.metrics import Metrics
 from k3.serve.api.protocol import APIError, parse_body, sse, usage
-from k3.serve.engine.structured import json_constraint
 
 __all__ = ["Reply", "Route", "Serving"]
 
@@ -43,6 +43,7 @@ class Serving:
         self.metrics = Metrics(engine)
         self.tokenizer = engine.tokenizer
         self.created = int(time.time())
+        self.compiling = asyncio.Lock()  # one grammar compile at a time; waiters hold no worker thread
 
     async def body(self, request: Request, model: type[B]) -> B:
         """The request's JSON body validated as ``model`` (in a worker thread)."""
@@ -53,6 +54,12 @@ class Serving:
                            param="model", code="model_not_found")
         body.unsupported()
         return body
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A text prompt's ids, by the one rule of ``/v1/completions`` and ``/tokenize`` (vLLM's, whose Hugging Face
+        tokenizers parse special tokens in text): special-token literals (``<|eos|>``) become their ids and nothing
+        is added around the text. Chat content, rendered by the chat format, never yields special ids."""
+        return self.tokenizer.encode(text, True)
 
     def check_chars(self, chars: int, param: str) -> None:
         """Refuse, without tokenizing, text that has more tokens than the context holds (module docstring)."""
@@ -72,12 +79,18 @@ class Serving:
         return requested if requested is not None else max(1, self.engine.max_model_len - prompt_tokens)
 
     async def constraint(self, schema: dict | None, stop_ids: tuple[int, ...], param: str) -> Callable[[], Any]:
-        """A grammar-matcher factory for JSON (``schema`` None: any object), compiled off the event loop; an
-        unusable schema is a 400 naming ``param``."""
+        """A grammar-matcher factory for JSON (``schema`` None: any object) from the engine's cache, else compiled
+        under its budget off the event loop, one at a time (`k3.serve.engine.structured`); an unusable schema is a
+        400 naming ``param``."""
+        grammars = self.engine.grammars
         try:
-            return await run_in_threadpool(json_constraint, self.tokenizer, schema, stop_ids)
+            factory = await run_in_threadpool(grammars.cached, schema, stop_ids)
+            if factory is None:
+                async with self.compiling:
+                    factory = await run_in_threadpool(grammars.constraint, schema, stop_ids)
         except ValueError as err:
             raise APIError(400, f"{param}: {err}", param=param) from err
+        return factory
 
     def submit(self, jobs: list[tuple[list[int], SamplingParams, Processor | None]],
                images: list[VisualInput] | None = None) -> Jobs:
@@ -105,6 +118,7 @@ class Reply:
     """What the responses of one request share: id, creation time, model, and usage per choice."""
 
     OBJECT = PREFIX = ""  # OpenAI's object name of a (streamed) response, and the id prefix
+    grammar: str | None = None  # the request field whose grammar constrains the output, if any
 
     def __init__(self, model_name: str, body: Any, choices: int, prompt_tokens: int) -> None:
         self.model_name, self.body = model_name, body
@@ -148,7 +162,7 @@ class Reply:
         try:
             async for i, output in run.outputs():
                 self.record(i, output)
-                if (err := error_of(output)) is not None:
+                if (err := error_of(output, self.grammar)) is not None:
                     yield sse(err.body(), "error")
                     return
                 for event in self.events(i, output):
