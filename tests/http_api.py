@@ -1,5 +1,5 @@
 """Shared pieces of the HTTP API tests: the served model name, a chat and tools to send, a standard-library
-request, and a server whose model emits a script (`serving.Scripted`)."""
+request, a server whose model emits a script (`serving.Scripted`), and a real `k3 serve` process."""
 
 from __future__ import annotations
 

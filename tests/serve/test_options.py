@@ -16,10 +16,11 @@ from k3.serve.engine.cache import PrefixCache
 from k3.serve.engine.drafting import EagleDrafter, ModelDrafter
 from k3.serve.options import EngineOptions
 
-#: the commands' defaults before `EngineOptions` (`k3.cli` at a5b2f96), field by field
+#: the commands' defaults before `EngineOptions` (`k3.cli` at a5b2f96), field by field, and the grammar cache's since
 PREVIOUS_DEFAULTS = {"max_model_len": None, "max_batch": 32, "prefill_chunk": 64, "max_waiting": None, "draft": None,
                      "num_draft_tokens": 4, "compile": False, "prefix_cache": True, "prefix_cache_gb": 1.0,
-                     "cache_block_tokens": 64, "cache_checkpoint_every": 8, "cache_page_blocks": 4, "threads": None}
+                     "cache_block_tokens": 64, "cache_checkpoint_every": 8, "cache_page_blocks": 4, "threads": None,
+                     "grammar_cache_mb": 256.0}
 FLAGS = ["--max-model-len", "512", "--max-batch", "3", "--prefill-chunk", "16", "--draft", "d", "--num-draft-tokens",
          "2", "--compile", "--prefix-cache-gb", "0.5", "--cache-block-tokens", "16", "--cache-checkpoint-every", "2",
          "--cache-page-blocks", "2"]
@@ -101,6 +102,13 @@ def test_build_with_chosen_options():
                                 "cache": (2**28, 16, 2, 2, engine.prefix_cache.namespace)}
     assert dataclasses.replace(options, prefix_cache=False).build(serving.model(), serving.tokenizer()).prefix_cache \
         is None
+
+
+@pytest.mark.parametrize("command", ["serve", "chat"])
+def test_grammar_cache_flag(command):
+    options = EngineOptions.from_args(parse(command, "--ckpt", "c", "--grammar-cache-mb", "8"))
+    assert options == EngineOptions(grammar_cache_mb=8.0)
+    assert options.build(serving.model(), serving.tokenizer()).grammars.cache_bytes == 8 * 2**20
 
 
 def test_build_loads_the_draft(tmp_path):

@@ -1,6 +1,7 @@
 """OpenAI chat messages, checked (the parts both chat formats share, `k3.chat.native` and `k3.chat.xtml`): roles,
 content strings and content-part lists (text, and images through a `Media` callback), tool calls and tool
-definitions, compact JSON. Every problem is a ValueError naming the field (``messages[2].content[0].text``)."""
+definitions, compact JSON (parsed only up to :data:`MAX_JSON_DEPTH` levels deep). Every problem is a ValueError
+naming the field (``messages[2].content[0].text``)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import json
 import re
 from collections.abc import Callable
 from typing import Any
+
+import numpy as np
 
 from k3.tokenization.image import VisualInput
 
@@ -17,14 +20,37 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 SURROGATE = re.compile(r"[\ud800-\udfff]")
 
 
+#: Deepest nesting of the JSON parsed from text here (tool-call arguments, a tools channel): deeper text is not
+#: parsed, so neither the parser nor what later walks the value can exhaust Python's recursion limit.
+MAX_JSON_DEPTH = 128
+_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+
+
 def dumps(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 
+def parse_json(text: str) -> Any:
+    """The JSON value of ``text``; ``ValueError`` if it is not JSON or nests deeper than :data:`MAX_JSON_DEPTH`."""
+    if _too_deep(text):
+        raise ValueError(f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
+    return json.loads(text)
+
+
+def _too_deep(text: str) -> bool:
+    """Whether brackets outside the strings of ``text`` nest deeper than :data:`MAX_JSON_DEPTH`."""
+    if text.count("[") + text.count("{") <= MAX_JSON_DEPTH:  # the common case, without a scan
+        return False
+    brackets = np.frombuffer(_NOT_BRACKET.sub("", _STRING.sub("", text)).encode("ascii"), np.uint8)
+    steps = np.where((brackets == ord("[")) | (brackets == ord("{")), 1, -1)
+    return int(np.cumsum(steps).max(initial=0)) > MAX_JSON_DEPTH
+
+
 def loads(text: Any) -> Any:
-    """The JSON value of ``text``, or ``None`` if it is not a string holding JSON."""
+    """The JSON value of ``text``, or ``None`` if it is not a string holding JSON within :data:`MAX_JSON_DEPTH`."""
     try:
-        return json.loads(text) if isinstance(text, str) else None
+        return parse_json(text) if isinstance(text, str) else None
     except ValueError:
         return None
 
@@ -84,13 +110,19 @@ def checked_calls(calls: Any, where: str, id_required: bool = True) -> list[tupl
 
 
 def message_role(i: int, m: Any) -> tuple[str, str]:
-    """``(where, role)`` of message ``i``: an object with a known role, else ``ValueError`` naming the field."""
+    """``(where, role)`` of message ``i``: an object with a known role whose optional fields have their types
+    (``name``, ``tool_call_id``, ``reasoning_content``: strings; ``tool_calls``: a list), else ``ValueError`` naming
+    the field."""
     where = f"messages[{i}]"
     if not isinstance(m, dict):
         raise ValueError(f"{where}: expected an object, got {type(m).__name__}")
     role = m.get("role")
     if role not in ROLES:
         raise ValueError(f"{where}.role: unknown role {role!r}; expected one of {', '.join(ROLES)}")
+    for key, kind, name in (("name", str, "a string"), ("tool_call_id", str, "a string"),
+                            ("reasoning_content", str, "a string"), ("tool_calls", list, "a list of tool calls")):
+        if m.get(key) is not None and not isinstance(m[key], kind):
+            raise ValueError(f"{where}.{key}: expected {name}, got {type(m[key]).__name__}")
     return where, role
 
 

@@ -79,10 +79,7 @@ def _message(i: int, m: Any, mode: str, media: Media | None = None) -> dict:
     content = m.get("content")
     out = {"role": "assistant", "content": "" if content is None else content_text(content, f"{where}.content")}
     if mode == "thinking":
-        reasoning = m.get("reasoning_content")
-        if reasoning is not None and not isinstance(reasoning, str):
-            raise ValueError(f"{where}.reasoning_content: expected a string, got {type(reasoning).__name__}")
-        out["reasoning_content"] = reasoning or ""
+        out["reasoning_content"] = m.get("reasoning_content") or ""
     if m.get("tool_calls"):
         out["tool_calls"] = _tool_calls(m["tool_calls"], f"{where}.tool_calls")
     return out

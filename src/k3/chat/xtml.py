@@ -34,6 +34,7 @@ from k3.chat.messages import (
     functions,
     loads,
     message_role,
+    parse_json,
 )
 from k3.tokenization.detok import IncrementalDetokenizer
 from k3.tokenization.image import VisualInput
@@ -102,19 +103,12 @@ def _message(i: int, m: Any, media: Media | None = None) -> dict:
     if any(isinstance(p, VisualInput) for p in pieces):
         out["pieces"] = pieces
     if role == "assistant":
-        reasoning = m.get("reasoning_content")
-        if reasoning is not None and not isinstance(reasoning, str):
-            raise ValueError(f"{where}.reasoning_content: expected a string, got {type(reasoning).__name__}")
-        out["reasoning"] = reasoning or ""
+        out["reasoning"] = m.get("reasoning_content") or ""
         out["calls"] = _calls(m.get("tool_calls") or [], f"{where}.tool_calls")
     elif role == "tool":
-        if not isinstance(cid := m.get("tool_call_id") or "", str):
-            raise ValueError(f"{where}.tool_call_id: expected a string, got {type(cid).__name__}")
-        out["tool_call_id"] = cid
-    elif (name := m.get("name")) is not None:
-        if not isinstance(name, str):
-            raise ValueError(f"{where}.name: expected a string, got {type(name).__name__}")
-        out["name"] = name
+        out["tool_call_id"] = m.get("tool_call_id") or ""
+    elif m.get("name") is not None:
+        out["name"] = m["name"]
     return out
 
 
@@ -305,7 +299,7 @@ def _arguments(body: str) -> dict | None:
         if "key" not in attrs:
             return None
         try:
-            args[attrs["key"]] = b[3] if attrs.get("type", "string") == "string" else json.loads(b[3])
+            args[attrs["key"]] = b[3] if attrs.get("type", "string") == "string" else parse_json(b[3])
         except ValueError:
             return None
     return args

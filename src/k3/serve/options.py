@@ -66,6 +66,7 @@ class EngineOptions:
     cache_checkpoint_every: int = 8  # --cache-checkpoint-every
     cache_page_blocks: int = 4  # --cache-page-blocks
     threads: int | None = None  # --threads (k3 serve)
+    grammar_cache_mb: float = 256.0  # --grammar-cache-mb
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
@@ -83,6 +84,8 @@ class EngineOptions:
                             "torch.compile'd graphs: decode batches padded to 1, 2, 4 … 32 rows, chunks cut into "
                             "64/16/4/1-token pieces (one compilation each: k3 serve builds them all before it "
                             "listens, for batches up to --max-batch; k3 chat on first use)")
+        parser.add_argument("--grammar-cache-mb", type=positive(float, zero=True), default=cls.grammar_cache_mb,
+                            help="MiB of compiled structured-output grammars kept for reuse (default %(default)s)")
         cache = parser.add_argument_group("prefix cache (README, 'Prefix cache')")
         cache.add_argument("--prefix-cache-gb", type=positive(float, zero=True), default=cls.prefix_cache_gb,
                            help="bytes for cached MLA pages and KDA checkpoints, in GiB (default: %(default)s)")
@@ -128,6 +131,7 @@ class EngineOptions:
         """The `Engine` over ``model`` with these options: its prefix cache, drafter and compiled graphs."""
         from k3.serve.engine import Engine
         from k3.serve.engine.cache import PrefixCache
+        from k3.serve.engine.structured import Grammars
 
         cache = None if not self.prefix_cache else PrefixCache.for_model(
             model, tokenizer, int(self.prefix_cache_gb * 2**30), self.cache_block_tokens, self.cache_checkpoint_every,
@@ -135,7 +139,8 @@ class EngineOptions:
         queue = {} if self.max_waiting is None else {"max_waiting": self.max_waiting}
         return Engine(model, tokenizer, max_model_len=self.max_model_len, max_batch=self.max_batch,
                       prefill_chunk=self.prefill_chunk, prefix_cache=cache, drafter=self.drafter(model),
-                      num_draft_tokens=self.num_draft_tokens, compile=self.compile, **queue)
+                      num_draft_tokens=self.num_draft_tokens, compile=self.compile,
+                      grammars=Grammars(tokenizer, int(self.grammar_cache_mb * 2**20)), **queue)
 
     def drafter(self, target: Any) -> Any:
         """`--draft DIR`: an EAGLE-3 draft (`k3 train-draft`, a run or checkpoint directory) or a small kimi-k3

@@ -3,7 +3,6 @@ valid, complete value within a bounded number of tokens, for both tokenizers; pl
 
 from __future__ import annotations
 
-import gc
 import json
 import re
 import threading
@@ -16,12 +15,21 @@ from hypothesis import strategies as st
 from kimi_fixtures import TEXTS, build_kimi_tokenizer_files
 from serving import tokenizer as bpe_tokenizer
 
-from k3.serve.engine import structured
-from k3.serve.engine.structured import MAX_WHITESPACE, json_constraint
+from k3.serve.engine.structured import MAX_WHITESPACE, Grammars
 
 MAX_STEPS = 10_000  # a random walk's strings and arrays end geometrically: 800 drawn cases took at most 2,565
 EXTRA = 7  # model vocabulary beyond the tokenizer's
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+_GRAMMARS: dict[int, tuple[object, Grammars]] = {}
+
+
+def json_constraint(tok, schema, stop_ids):
+    """``schema``'s constraint factory from one `Grammars` per tokenizer (each holds a compile child process)."""
+    if id(tok) not in _GRAMMARS:
+        _GRAMMARS[id(tok)] = tok, Grammars(tok)
+    return _GRAMMARS[id(tok)][1].constraint(schema, stop_ids)
 
 
 @pytest.fixture(scope="module")
@@ -244,31 +252,46 @@ def test_x_guidance_cannot_lift_whitespace_bound():
 
 # ------------------------------------------------------------------------------------------------
 # caching and threads
-def test_compile_cache(monkeypatch, tmp_path):
+def test_compile_cache():
     tok = bpe_tokenizer()
+    grammars = Grammars(tok, max_entries=4)
     schema = {"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "string"}}}
-    json_constraint(tok, schema, [tok.eos_id])
-    vocab = structured._vocab(tok)
-    canonical = json.dumps(schema, separators=(",", ":"))
-    template = vocab.grammars[canonical]
-    json_constraint(tok, json.loads(json.dumps(schema)), [tok.eos_id, 10])  # equal schema, other stops: a hit
-    assert vocab.grammars[canonical] is template
+    assert grammars.cached(schema, [tok.eos_id]) is None
+    grammars.constraint(schema, [tok.eos_id])
+    held = grammars.bytes
+    assert held > 0
+    assert grammars.cached(json.loads(json.dumps(schema)), [tok.eos_id, 10]) is not None  # equal schema, other stops
     reordered = {"type": "object", "properties": {"y": {"type": "string"}, "x": {"type": "integer"}}}
-    json_constraint(tok, reordered, [tok.eos_id])  # property order is generation order: its own entry
-    assert vocab.grammars[json.dumps(reordered, separators=(",", ":"))] is not template
+    assert grammars.cached(reordered, [tok.eos_id]) is None  # property order is generation order: its own entry
+    for n in range(5):  # the count bound: least recently used first out
+        grammars.constraint({"type": "array", "maxItems": n}, [tok.eos_id])
+    assert grammars.cached(schema, [tok.eos_id]) is None
+    assert [grammars.cached({"type": "array", "maxItems": n}, [tok.eos_id]) is not None for n in range(5)] == \
+        [False, True, True, True, True]
+    grammars.close()
 
-    monkeypatch.setattr(structured, "MAX_CACHED_GRAMMARS", 2)
-    for n in range(3):
-        json_constraint(tok, {"type": "array", "maxItems": n}, [tok.eos_id])
-    assert list(vocab.grammars) == ['{"type":"array","maxItems":1}', '{"type":"array","maxItems":2}']
 
-    other = build_kimi_tokenizer_files(tmp_path, TEXTS[:3])
-    json_constraint(other, schema, [other.eos_id])
-    key = id(other)
-    assert structured._VOCABS[key][1] is not vocab
-    del other
-    gc.collect()
-    assert key not in structured._VOCABS  # dropped with its tokenizer
+def test_cache_is_bounded_by_bytes():
+    """Entries are charged the bytes their compiled grammar holds (measured in the compile child); past the budget
+    the least recently used go, and a grammar larger than the whole budget serves its request without being kept."""
+    tok = bpe_tokenizer()
+    probe = Grammars(tok)
+    wide = [{"anyOf": [{"type": "object", "properties": {f"k{i}_{v}": {"type": "integer"}}, "required": [f"k{i}_{v}"]}
+                       for i in range(40)]} for v in range(4)]
+    probe.constraint(wide[0], [tok.eos_id])
+    size = probe.bytes
+    probe.close()
+    grammars = Grammars(tok, cache_bytes=int(2.5 * size))
+    for schema in wide:
+        grammars.constraint(schema, [tok.eos_id])
+        assert grammars.bytes <= grammars.cache_bytes
+    assert [grammars.cached(s, [tok.eos_id]) is not None for s in wide] == [False, False, True, True]
+    tiny = Grammars(tok, cache_bytes=size // 2)
+    text, _ = generate(tok, tiny.constraint(wide[0], [tok.eos_id]), seed=0)
+    jsonschema.validate(json.loads(text), wide[0])
+    assert tiny.cached(wide[0], [tok.eos_id]) is None and tiny.bytes == 0
+    grammars.close()
+    tiny.close()
 
 
 def test_matchers_are_independent():

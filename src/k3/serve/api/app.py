@@ -35,7 +35,8 @@ from k3.serve.asgi.guard import Guard, Limits
 from k3.serve.api.serving import Serving
 from k3.serve.asgi.server import BackgroundServer
 from k3.serve.api.pages import add_pages
-from k3.serve.api.protocol import MESSAGE_SCHEMA, APIError, ChatBody, CompletionBody, request_body, schemas
+from k3.serve.api.protocol import (MESSAGE_SCHEMA, TOOL_SCHEMA, APIError, ChatBody, CompletionBody, request_body,
+                                   schemas)
 from k3.serve.api.tokenize import Detokenize, DetokenizeBody, Tokenize, TokenizeBody, tokenizer_info
 
 __all__ = ["APIError", "BackgroundServer", "Limits", "create_app"]
@@ -147,6 +148,9 @@ def _openapi(app: FastAPI, model_name: str) -> None:
             for name in ("CompletionBody", "ChatBody"):
                 bodies[name]["properties"]["model"]["enum"] = [model_name]
             bodies["ChatBody"]["properties"]["messages"] = {"type": "array", "minItems": 1, "items": MESSAGE_SCHEMA}
+            for name in ("ChatBody", "TokenizeBody"):
+                bodies[name]["properties"]["tools"] = {"anyOf": [{"type": "array", "items": TOOL_SCHEMA},
+                                                                 {"type": "null"}]}
             document.setdefault("components", {}).setdefault("schemas", {}).update(bodies)
             app.openapi_schema = document
         return app.openapi_schema

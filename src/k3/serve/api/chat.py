@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
@@ -24,6 +25,7 @@ from starlette.concurrency import run_in_threadpool
 
 from k3.serve.engine import Output
 from k3.chat import chat_format
+from k3.chat.messages import parse_json
 from k3.serve.api.serving import Reply, Route, json_response, logprob_entries, offload
 from k3.serve.api.jobs import Jobs, error_of
 from k3.serve.api.protocol import APIError, ChatBody, NamedToolChoice, extend_logprobs, sse, vllm_prompt_logprobs
@@ -40,7 +42,7 @@ class ChatCompletions(Route):
         if not body.skip_special_tokens:
             raise APIError(400, "skip_special_tokens: false is not supported for chat (the chat format's markers "
                                 "are parsed, not returned)", param="skip_special_tokens")
-        schema, forced = _answer_schema(body)
+        schema, forced = await run_in_threadpool(_answer_schema, body)
         structured = schema is not None or body.response_format is not None and body.response_format.type != "text"
         mode = body.explicit_mode() or ("instruct" if structured else s.default_mode)
         s.check_messages(body.messages)
@@ -64,7 +66,8 @@ class ChatCompletions(Route):
         s.check_logprobs({"prompt_logprobs": logprob_entries(len(prompt), body.prompt_logprobs) * body.n,
                           "logprobs": logprob_entries(max_tokens, top) * body.n})
         stop_ids = fmt.stop_ids(self.tokenizer)
-        constraint = await s.constraint(schema, stop_ids, forced or "response_format") if structured else None
+        grammar = forced or ("guided_json" if body.guided_json is not None else "response_format")
+        constraint = await s.constraint(schema, stop_ids, grammar) if structured else None
         try:  # the engine checks that the prompt holds the images' slots
             run = s.submit([(prompt, params, fmt.AssistantParser(self.tokenizer, mode)) for params in body.sampling(
                 max_tokens, stop_ids, top, self.tokenizer.vocab_size, constraint)],
@@ -77,6 +80,7 @@ class ChatCompletions(Route):
         separate = body.separate_reasoning if body.separate_reasoning is not None else s.separate_reasoning
         reply = _Reply(s.model_name, body, mode, self.tokenizer.decode, len(prompt), fmt.parse_tool_calls, separate,
                        forced)
+        reply.grammar = grammar if structured else None
         if body.stream:
             return StreamingResponse(reply.stream(run), media_type="text/event-stream")
         return await reply.whole(run, request)
@@ -92,16 +96,39 @@ def _answer_schema(body: ChatBody) -> tuple[dict | None, str | None]:
     if body.tool_choice == "required":
         functions = [t["function"] for t in body.tools
                      if isinstance(t.get("function"), dict) and isinstance(t["function"].get("name"), str)]
-        calls = [{"type": "object", "additionalProperties": False, "required": ["name", "parameters"], "properties": {
-            "name": {"const": f["name"]}, "parameters": f.get("parameters") or {"type": "object"}}} for f in functions]
-        if not calls:
+        if not functions:
             raise APIError(400, "tools: no function to call", param="tools")
-        array = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        # each function's parameters under $defs, its references rebased there: they resolve as in the function alone
+        defs = {f"tool{k}": _rebased(f.get("parameters") or {"type": "object"}, f"#/$defs/tool{k}")
+                for k, f in enumerate(functions)}
+        calls = [{"type": "object", "additionalProperties": False, "required": ["name", "parameters"], "properties": {
+            "name": {"const": f["name"]}, "parameters": {"$ref": f"#/$defs/tool{k}"}}} for k, f in enumerate(functions)]
+        array = {"type": "array", "minItems": 1, "items": {"anyOf": calls}, "$defs": defs}
         return (array | {"maxItems": 1} if not body.parallel_tool_calls else array), "tool_choice"
     if body.guided_json is not None:
         return body.guided_json, None
     f = body.response_format
     return (f.json_schema.schema_ if f is not None and f.type == "json_schema" else None), None
+
+
+def _rebased(schema: Any, base: str) -> Any:
+    """A copy of ``schema`` whose local references (``#…``) point into ``base``, where the copy will live; values
+    (``const``, ``enum``, ``default``, ``examples``) are copied as they are."""
+    if isinstance(schema, list):
+        return [_rebased(v, base) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            out[key] = base + value[1:]
+        elif key in ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas") \
+                and isinstance(value, dict):  # names (which may be "enum"), then schemas
+            out[key] = {name: _rebased(v, base) for name, v in value.items()}
+        else:
+            out[key] = value if key in ("const", "enum", "default", "examples") else _rebased(value, base)
+    return out
+
 
 
 class _Reply(Reply):
@@ -129,7 +156,7 @@ class _Reply(Reply):
     def _forced_calls(self, text: str) -> list[dict] | None:
         """A forced call's JSON answer as OpenAI tool calls (None if it did not complete)."""
         try:
-            value = json.loads(text)
+            value = parse_json(text)
         except ValueError:
             return None
         if isinstance(self.body.tool_choice, NamedToolChoice):
@@ -206,7 +233,7 @@ class _Reply(Reply):
                 prompt_logprobs = vllm_prompt_logprobs(output.prompt_logprobs, self.decode, self.body.prompt_logprobs)
 
         async for i, output in run.outputs(request):
-            if (err := error_of(output)) is not None:
+            if (err := error_of(output, self.grammar)) is not None:
                 raise err
             self.record(i, output)
             await offload(self.heavy(i, output), add, i, output)

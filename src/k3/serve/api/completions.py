@@ -38,7 +38,7 @@ class Completions(Route):
             s.check_chars(len(text), "prompt")
         per_prompt = body.best_of or body.n
         s.check_choices((1 if isinstance(body.prompt, str) or _is_ids(body.prompt) else len(body.prompt)) * per_prompt)
-        prompts = [body.truncate(p) for p in await run_in_threadpool(_prompts, body.prompt, self.tokenizer.encode)]
+        prompts = [body.truncate(p) for p in await run_in_threadpool(_prompts, body.prompt, s.encode_prompt)]
         constraint = await s.constraint(body.guided_json, (self.tokenizer.eos_id,), "guided_json") \
             if body.guided_json is not None else None
         top, lengths = body.logprobs, [s.max_tokens(body.max_tokens, len(prompt)) for prompt in prompts]
@@ -55,6 +55,7 @@ class Completions(Route):
                     for prompt, params, processor in jobs]
         run = s.submit(jobs)
         reply = _Reply(s.model_name, body, self.tokenizer.decode, prompts, per_prompt)
+        reply.grammar = "guided_json" if constraint is not None else None
         if body.stream:
             return StreamingResponse(reply.stream(run), media_type="text/event-stream")
         return await reply.whole(run, request)
@@ -131,7 +132,7 @@ class _Reply(Reply):
                 prompt_lps[i] = vllm_prompt_logprobs(output.prompt_logprobs, self.decode, self.body.prompt_logprobs)
 
         async for i, output in run.outputs(request):
-            if (err := error_of(output)) is not None:
+            if (err := error_of(output, self.grammar)) is not None:
                 raise err
             self.record(i, output)
             await offload(self.heavy(i, output), add, i, output)

@@ -77,8 +77,11 @@ class Jobs:
             self.engine.abort(request_id, wait=False)
 
 
-def error_of(output: Output) -> APIError | None:
-    """The API error of a request that ended with an error or was cancelled by the server."""
+def error_of(output: Output, grammar: str | None = None) -> APIError | None:
+    """The API error of a request that ended with an error or was cancelled by the server; a failure of the
+    request's own grammar is a 400 naming the field that gave it (``grammar``)."""
+    if output.finish_reason == "error" and output.invalid:
+        return APIError(400, f"{grammar}: generation stopped: {output.error}", param=grammar)
     if output.finish_reason == "error":
         return APIError(500, f"generation failed: {output.error}", type="server_error")
     if output.finish_reason == "abort":

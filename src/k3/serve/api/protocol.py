@@ -22,9 +22,9 @@ from k3.serve.engine import ContextLengthExceeded, SamplingParams
 from k3.serve.asgi.guard import error_body
 from k3.serve.api.encoding import dumps
 
-__all__ = ["MESSAGE_SCHEMA", "NOT_IMPLEMENTED", "APIError", "ChatBody", "CompletionBody", "NamedToolChoice",
-           "StrictBody", "extend_logprobs", "invalid", "parse_body", "request_body", "schemas", "sse", "usage",
-           "vllm_prompt_logprobs"]
+__all__ = ["MESSAGE_SCHEMA", "NOT_IMPLEMENTED", "TOOL_SCHEMA", "APIError", "ChatBody", "CompletionBody",
+           "NamedToolChoice", "StrictBody", "check_tools", "extend_logprobs", "invalid", "parse_body", "request_body",
+           "schemas", "sse", "usage", "vllm_prompt_logprobs"]
 
 T = TypeVar("T")
 NonEmpty = Annotated[T, Field(min_length=1)]
@@ -121,6 +121,8 @@ class _Sampling(StrictBody):
         super().unsupported()
         if self.guided_json is not None and getattr(self, "response_format", None) is not None:
             raise APIError(400, "guided_json: give either guided_json or response_format", param="guided_json")
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options: only allowed with stream: true", param="stream_options")
 
     def bias(self, vocab_size: int) -> tuple[tuple[int, float], ...]:
         """``logit_bias`` as ``(token id, bias)`` pairs; keys must be token ids (as OpenAI's are)."""
@@ -214,6 +216,7 @@ class ChatBody(_Sampling):
 
     def unsupported(self) -> None:
         super().unsupported()
+        check_tools(self.tools)
         f = self.response_format
         if f is not None and f.type == "json_schema" and (f.json_schema is None or f.json_schema.schema_ is None):
             raise APIError(400, "response_format.json_schema: a json_schema with a 'schema' is required",
@@ -231,6 +234,21 @@ class ChatBody(_Sampling):
         if thinking is not None:
             return "thinking" if thinking else "instruct"
         return self.mode
+
+
+def check_tools(tools: list[dict[str, Any]] | None) -> None:
+    """OpenAI's tool definitions, typed: ``{"type": "function", "function": {"name": str, "description": str,
+    "parameters": object, "strict": bool}}`` (the last three optional); anything else is a 400 naming ``tools``."""
+    for j, tool in enumerate(tools or []):
+        fn = tool.get("function")
+        if tool.get("type") != "function" or not isinstance(fn, dict):
+            raise APIError(400, f"tools[{j}]: expected {{'type': 'function', 'function': {{...}}}}", param="tools")
+        for key, kind, name in (("name", str, "a string"), ("description", str, "a string"),
+                                ("parameters", dict, "a JSON schema object"), ("strict", bool, "a boolean")):
+            value = fn.get(key)
+            if not isinstance(value, kind) and (value is not None or key == "name"):
+                raise APIError(400, f"tools[{j}].function.{key}: expected {name}, got {type(value).__name__}",
+                               param="tools")
 
 
 def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
@@ -273,10 +291,18 @@ MESSAGE_SCHEMA = {
         "content": {"anyOf": [{"type": "string"}, {"type": "null"}, {"type": "array", "items": {
             "type": "object", "required": ["type", "text"],
             "properties": {"type": {"enum": ["text"]}, "text": {"type": "string"}}}}]},
+        "name": {"type": "string"},
         "reasoning_content": {"type": "string"},
         "tool_call_id": {"type": "string"},
         "tool_calls": {"type": "array", "items": {"type": "object"}},
     },
+}
+#: An OpenAI tool definition as `check_tools` accepts it (documentation).
+TOOL_SCHEMA = {
+    "type": "object", "required": ["type", "function"],
+    "properties": {"type": {"enum": ["function"]}, "function": {"type": "object", "required": ["name"], "properties": {
+        "name": {"type": "string"}, "description": {"type": "string"}, "parameters": {"type": "object"},
+        "strict": {"type": "boolean"}}}},
 }
 
 

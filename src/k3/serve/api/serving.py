@@ -36,7 +36,6 @@ from k3.serve.api.jobs import Jobs, error_of
 from k3.serve.api.encoding import dumps
 from k3.serve.api.metrics import Metrics
 from k3.serve.api.protocol import APIError, parse_body, sse, usage
-from k3.serve.engine.structured import json_constraint
 
 __all__ = ["Reply", "Route", "Serving", "json_response", "logprob_entries", "offload"]
 
@@ -72,6 +71,7 @@ class Serving:
         self.tokenizer = engine.tokenizer
         self.created = int(time.time())
         self.decodes = asyncio.Semaphore(limits.max_image_decodes)
+        self.compiling = asyncio.Lock()  # one grammar compile at a time; waiters hold no worker thread
 
     async def body(self, request: Request, model: type[B]) -> B:
         """The request's JSON body validated as ``model`` (in a worker thread)."""
@@ -82,6 +82,12 @@ class Serving:
                            param="model", code="model_not_found")
         body.unsupported()
         return body
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A text prompt's ids, by the one rule of ``/v1/completions`` and ``/tokenize`` (vLLM's, whose Hugging Face
+        tokenizers parse special tokens in text): special-token literals (``<|eos|>``) become their ids and nothing
+        is added around the text. Chat content, rendered by the chat format, never yields special ids."""
+        return self.tokenizer.encode(text, True)
 
     def check_chars(self, chars: int, param: str) -> None:
         """Refuse, without tokenizing, text that has more tokens than the context holds (module docstring)."""
@@ -117,12 +123,18 @@ class Serving:
         return requested if requested is not None else max(1, self.engine.max_model_len - prompt_tokens)
 
     async def constraint(self, schema: dict | None, stop_ids: tuple[int, ...], param: str) -> Callable[[], Any]:
-        """A grammar-matcher factory for JSON (``schema`` None: any object), compiled off the event loop; an
-        unusable schema is a 400 naming ``param``."""
+        """A grammar-matcher factory for JSON (``schema`` None: any object) from the engine's cache, else compiled
+        under its budget off the event loop, one at a time (`k3.serve.engine.structured`); an unusable schema is a
+        400 naming ``param``."""
+        grammars = self.engine.grammars
         try:
-            return await run_in_threadpool(json_constraint, self.tokenizer, schema, stop_ids)
+            factory = await run_in_threadpool(grammars.cached, schema, stop_ids)
+            if factory is None:
+                async with self.compiling:
+                    factory = await run_in_threadpool(grammars.constraint, schema, stop_ids)
         except ValueError as err:
             raise APIError(400, f"{param}: {err}", param=param) from err
+        return factory
 
     def submit(self, jobs: list[tuple[list[int], SamplingParams, Processor | None]],
                images: list[VisualInput] | None = None) -> Jobs:
@@ -171,6 +183,7 @@ class Reply:
     """What the responses of one request share: id, creation time, model, and usage per choice."""
 
     OBJECT = PREFIX = ""  # OpenAI's object name of a (streamed) response, and the id prefix
+    grammar: str | None = None  # the request field whose grammar constrains the output, if any
 
     def __init__(self, model_name: str, body: Any, choices: int, prompt_tokens: int) -> None:
         self.model_name, self.body = model_name, body
@@ -218,7 +231,7 @@ class Reply:
         try:
             async for i, output in run.outputs():
                 self.record(i, output)
-                if (err := error_of(output)) is not None:
+                if (err := error_of(output, self.grammar)) is not None:
                     yield sse(err.body(), "error")
                     return
                 for event in await offload(self.heavy(i, output), self.events, i, output):

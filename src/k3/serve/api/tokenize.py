@@ -1,11 +1,12 @@
 """vLLM's tokenizer endpoints: ``POST /tokenize``, ``POST /detokenize``, ``GET /tokenizer_info`` (issue 12).
 
 lm-eval's ``local-completions`` probes ``/tokenizer_info`` and ``/tokenize`` and then tokenizes through the
-server, so it runs without a local copy of the tokenizer. ``/tokenize`` takes a ``prompt`` (special-token
-literals become their ids, as Hugging Face tokenizers and vLLM do; ``add_special_tokens`` prepends bos) or chat
-``messages`` (rendered with the generation prompt in the chat format, ``mode`` as in chat requests) and returns
-``{"count", "max_model_len", "tokens"[, "token_strs"]}``; ``/detokenize`` turns ``tokens`` back into
-``{"prompt"}``. Bodies are strict like every other request: unknown fields are 400s.
+server, so it runs without a local copy of the tokenizer. ``/tokenize`` takes a ``prompt`` (encoded exactly as
+``/v1/completions`` encodes one, `Serving.encode_prompt`: special-token literals become their ids, as Hugging Face
+tokenizers and vLLM do; ``add_special_tokens`` prepends bos) or chat ``messages`` (rendered with the generation
+prompt in the chat format, ``mode`` as in chat requests) and returns ``{"count", "max_model_len", "tokens"[,
+"token_strs"]}``; ``/detokenize`` turns ``tokens`` back into ``{"prompt"}``. Bodies are strict like every other
+request: unknown fields are 400s.
 
 The work is bounded before it starts and done off the event loop: a prompt or conversation whose text cannot fit
 the context is refused by the cheap bound of `Serving.check_chars`, more ``tokens`` than the context holds are a
@@ -23,7 +24,7 @@ from starlette.concurrency import run_in_threadpool
 
 from k3.chat import chat_format
 from k3.serve.api.serving import Route, json_response
-from k3.serve.api.protocol import APIError, StrictBody
+from k3.serve.api.protocol import APIError, StrictBody, check_tools
 
 __all__ = ["DetokenizeBody", "Detokenize", "TokenizeBody", "Tokenize", "tokenizer_info"]
 
@@ -37,6 +38,10 @@ class TokenizeBody(StrictBody):
     mode: Literal["thinking", "instruct"] | None = None
     tools: list[dict[str, Any]] | None = None
     return_token_strs: bool = False
+
+    def unsupported(self) -> None:
+        super().unsupported()
+        check_tools(self.tools)
 
 
 class DetokenizeBody(StrictBody):
@@ -52,7 +57,7 @@ class Tokenize(Route):
         tok = self.tokenizer
         if body.prompt is not None:
             self.serving.check_chars(len(body.prompt), "prompt")
-            ids = await run_in_threadpool(tok.encode, body.prompt, True)
+            ids = await run_in_threadpool(self.serving.encode_prompt, body.prompt)
             ids = [tok.bos_id] + ids if body.add_special_tokens else ids
         else:
             self.serving.check_messages(body.messages)

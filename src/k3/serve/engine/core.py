@@ -48,6 +48,7 @@ from k3.serve.engine.runner import Forward, Runner
 from k3.serve.engine.sampler import Sampled, Sampler
 from k3.serve.engine.sampling import SamplingParams, TokenLogprob
 from k3.serve.engine.scheduler import Scheduler, StepPlan
+from k3.serve.engine.structured import Grammars
 from k3.tokenization.bpe import Tokenizer
 from k3.tokenization.image import VisualInput
 
@@ -63,15 +64,18 @@ class Engine:
     def __init__(self, model: K3ForCausalLM, tokenizer: Tokenizer, *, max_model_len: int | None = None,
                  max_batch: int = 32, prefill_chunk: int = 64, max_waiting: int = 1024,
                  prefix_cache: PrefixCache | None = None, drafter: Drafter | None = None,
-                 num_draft_tokens: int = 4, compile: bool | CompiledModel = False) -> None:
+                 num_draft_tokens: int = 4, compile: bool | CompiledModel = False,
+                 grammars: Grammars | None = None) -> None:
         """``compile``: decode rows and prefill chunks run through compiled graphs (`k3.model.compiled.CompiledModel`
         with its default buckets, or the one given); speculative verification, prompt logprobs, image chunks and
-        drafter features stay eager."""
+        drafter features stay eager. ``grammars``: the structured-output grammars and their cache (default: a
+        `Grammars` of the tokenizer with the default budgets)."""
         if tokenizer.vocab_size > model.config.vocab_size:
             raise ValueError(f"tokenizer: {tokenizer.vocab_size} ids but the model has vocab_size "
                              f"{model.config.vocab_size}")
         self.model = model.eval()
         self.tokenizer = tokenizer
+        self.grammars = grammars if grammars is not None else Grammars(tokenizer)
         self.max_model_len = min(max_model_len or model.config.context_length, model.config.context_length)
         self.drafter = drafter
         self.compiled = CompiledModel(self.model) if compile is True else compile or None
@@ -272,6 +276,7 @@ class Engine:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        self.grammars.close()
 
     def _loop(self) -> None:
         while True:

@@ -2,10 +2,11 @@
 
 Generated ids go through the request's `Processor` (text, or the chat channels). Stop strings are matched on the
 visible channels with a hold-back, so a stop string is never streamed: text that may start one is withheld until it
-cannot. A request finishes with "stop" (a stop id or string), "length" (``max_tokens``, or the context is full),
-"error" or "abort". `Outputs.emit` turns one `Sampled` into the `Output`s of its tokens, in order (a stop ends a
-verified run inside it); the last carries the finish reason. Prompt log-probabilities are sent once, with the first
-output after the prompt was read.
+cannot. A request finishes with "stop" (a stop id or string, or the end of its grammar's value: the grammar's end
+ends the answer even under ``ignore_eos`` or ``min_tokens``), "length" (``max_tokens``, or the context is full),
+"error" (``Output.invalid`` when the request's own grammar failed: `GrammarError`) or "abort". `Outputs.emit` turns
+one `Sampled` into the `Output`s of its tokens, in order (a stop ends a verified run inside it); the last carries the
+finish reason. Prompt log-probabilities are sent once, with the first output after the prompt was read.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from torch import Tensor
 from k3.serve.engine.request import Output, Request
 from k3.serve.engine.sampler import Sampled
 from k3.serve.engine.sampling import TokenLogprob
+from k3.serve.engine.structured import GrammarError
 
 __all__ = ["STOP_CHANNELS", "Outputs"]
 
@@ -58,7 +60,9 @@ class Outputs:
             deltas.append(request.held)
         request.held = None
         message = None if error is None else f"{type(error).__name__}: {error}"
-        return self._output(request, deltas, token, info or [], reason, message)
+        output = self._output(request, deltas, token, info or [], reason, message)
+        output.invalid = isinstance(error, GrammarError)
+        return output
 
     def _token(self, request: Request, token: int, logprobs: Tensor) -> Output:
         p = request.params
@@ -70,8 +74,10 @@ class Outputs:
             info = [TokenLogprob(token, float(logprobs[token]), alternatives)]
         request.output_ids.append(token)
         stopped = token in p.stop_token_ids
-        deltas, stopped = self._match_stops(request, request.processor.flush() if stopped
-                                            else request.processor.feed(token), stopped)
+        deltas = request.processor.flush() if stopped else request.processor.feed(token)
+        if not stopped and request.constraint is not None and request.constraint.done():
+            stopped, deltas = True, deltas + request.processor.flush()  # the value is complete: the answer ends
+        deltas, stopped = self._match_stops(request, deltas, stopped)
         if stopped:
             return self.finish(request, "stop", deltas, token, info)
         if len(request.output_ids) >= p.max_tokens or request.state.position + 1 >= self.max_model_len:

@@ -27,7 +27,8 @@ __all__ = ["ContextLengthExceeded", "Output", "Processor", "QueueFull", "Request
 @dataclass
 class Output:
     """What one step produced for one request: text deltas per channel, the new token ids, and,
-    on the last output, ``finish_reason`` ("stop", "length", "abort" or "error" with ``error``).
+    on the last output, ``finish_reason`` ("stop", "length", "abort" or "error" with ``error``; ``invalid`` when the
+    request's own input caused it, a grammar that failed while generating).
     ``prompt_logprobs`` (one per prompt token, None for the first) comes once, with the first output after
     the prompt was read; ``cumulative_logprob`` sums the generated tokens' log-probabilities so far."""
 
@@ -42,6 +43,7 @@ class Output:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     cumulative_logprob: float = 0.0
     cached_tokens: int = 0  # prompt tokens restored from the prefix cache
+    invalid: bool = False
 
 
 class Processor(Protocol):

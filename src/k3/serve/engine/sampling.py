@@ -4,7 +4,8 @@
 ``logit_bias`` (added), ``repetition_penalty`` (vLLM / Hugging Face: over prompt and output tokens, positive
 logits divided by it, negative ones multiplied), ``frequency_penalty`` and ``presence_penalty`` (OpenAI: over
 output tokens, ``−f·count − p·[count > 0]``), ``min_tokens`` (the stop ids are forbidden until that many tokens
-were generated) and a grammar ``constraint`` (`k3.serve.engine.structured`). `choose` then takes the argmax
+were generated; not under a grammar, whose end ends the answer) and a grammar ``constraint``
+(`k3.serve.engine.structured`). `choose` then takes the argmax
 (``temperature == 0``) or samples with temperature, ``min_p``, ``top_k`` and ``top_p``
 (`k3.generation.sample_next`). Everything is per row, so a request's tokens do not depend on its batch
 neighbours, and a seeded request is reproducible.
@@ -117,7 +118,7 @@ def process(row: Tensor, params: SamplingParams, prompt: Sequence[int], output: 
     if (params.presence_penalty or params.frequency_penalty) and output:
         counts = torch.bincount(torch.tensor(output, device=row.device), minlength=row.shape[0])[: row.shape[0]]
         row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
-    if len(output) < params.min_tokens and params.stop_token_ids:
+    if len(output) < params.min_tokens and params.stop_token_ids and constraint is None:
         row[list(params.stop_token_ids)] = float("-inf")
     # an extreme penalty (repetition_penalty near 0) can overflow: keep every value ordered and finite or -inf
     row = torch.nan_to_num(row, nan=float("-inf"), posinf=torch.finfo(row.dtype).max, neginf=float("-inf"))
