@@ -1,17 +1,21 @@
 """k3.files: the one crash-safe writer — a file is replaced whole or not at all, a failure leaves no temporary file,
-errors name the target, permissions follow the umask as ``open()``'s do, and writers that take a filename work."""
+errors name the target, permissions follow the umask as ``open()``'s do, and writers that take a filename work — and
+the one bounded reader: regular files (links to them too) of at most a limit, anything else refused at once."""
 
 from __future__ import annotations
 
+import functools
 import os
 import re
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from k3.files import atomic_write, write_bytes, write_text
+from deadline import finishes
+from k3.files import atomic_write, read_bytes, read_json, read_text, write_bytes, write_text
 
 
 def test_content_is_replaced_whole(tmp_path):
@@ -77,3 +81,50 @@ def test_a_writer_taking_a_filename(tmp_path):
 def test_paths_may_be_strings(tmp_path):
     write_text(str(tmp_path / "s.txt"), "ok")
     assert Path(tmp_path / "s.txt").read_text() == "ok"
+
+
+# ---------------------------------------------------------------------- the bounded reader
+def test_reads_regular_files_and_links_to_them(tmp_path):
+    (tmp_path / "blob").write_bytes(b'{"a": [1, 2]}')
+    (tmp_path / "config.json").symlink_to(tmp_path / "blob")  # a Hugging Face cache links to its blobs
+    assert read_bytes(tmp_path / "config.json", 13) == b'{"a": [1, 2]}'
+    assert read_text(str(tmp_path / "blob"), 100) == '{"a": [1, 2]}'
+    assert read_json(tmp_path / "config.json", 100) == {"a": [1, 2]}
+
+
+@pytest.mark.parametrize("kind", ["link to /dev/zero", "fifo", "directory", "huge", "link to a huge file"])
+def test_what_is_not_a_small_regular_file_is_refused_at_once(tmp_path, kind):
+    path = tmp_path / "config.json"
+    if kind == "link to /dev/zero":
+        path.symlink_to("/dev/zero")
+    elif kind == "fifo":
+        os.mkfifo(path)  # no writer: a plain open() would block forever
+    elif kind == "directory":
+        path.mkdir()
+    else:
+        huge = tmp_path / "blob" if kind == "link to a huge file" else path
+        with open(huge, "wb") as f:
+            f.truncate(64 * 2**30)  # sparse: 64 GiB that take no disk
+        if huge != path:
+            path.symlink_to(huge)
+    expected = "larger than the 1,000-byte limit" if "huge" in kind else "not a regular file: refused"
+    started = time.monotonic()
+    for read in (read_bytes, read_text, read_json):
+        with pytest.raises(ValueError, match=re.escape(f"{path}: ") + ".*" + expected):
+            finishes(functools.partial(read, path, 1000))
+    assert time.monotonic() - started < 1
+
+
+def test_a_file_over_the_limit_or_not_json_names_the_file(tmp_path):
+    path = tmp_path / "latest"
+    path.write_bytes(b"x" * 11)
+    assert read_bytes(path, 11) == b"x" * 11
+    with pytest.raises(ValueError, match=re.escape(f"{path}: larger than the 10-byte limit for this file (11 bytes)")):
+        read_bytes(path, 10)
+    with pytest.raises(ValueError, match=re.escape(f"{path}: not valid JSON")):
+        read_json(path, 100)
+    path.write_bytes(b"\xff\xfe")
+    with pytest.raises(ValueError, match=re.escape(f"{path}: not UTF-8 text")):
+        read_text(path, 100)
+    with pytest.raises(FileNotFoundError):
+        read_bytes(tmp_path / "missing", 10)

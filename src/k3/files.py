@@ -1,22 +1,43 @@
-"""The one crash-safe file writer: every file kimi-k3 writes goes through `atomic_write`.
+"""The one crash-safe file writer, `atomic_write`, and the one bounded reader, `read_bytes` / `read_text` /
+`read_json`: every file kimi-k3 writes goes through the first, every config, tokenizer, manifest and pointer it reads
+through the second.
 
 A reader (or a run resumed after a crash) sees the old file or the new one, never a part: the new bytes go to a
 temporary file in the same directory, which is fsynced and renamed over the target, and the directory entry is
 fsynced too (so the rename itself survives a power loss). On any error the temporary file is removed, the target is
 left as it was, and the error is an OSError naming the target.
+
+A read opens the file without blocking (a FIFO with no writer does not hang it), checks on the open descriptor that
+it is a regular file (symbolic links are followed — Hugging Face caches link to their blobs — but a link to
+``/dev/zero``, a device, a FIFO or a directory is refused) and reads at most ``limit`` bytes; a larger file is a
+ValueError naming the file and the limit, read no further. A missing file stays a FileNotFoundError.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
+import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, BinaryIO
 
 from safetensors import SafetensorError
 
-__all__ = ["atomic_write", "write_bytes", "write_text"]
+__all__ = ["CONFIG_LIMIT", "DATA_LIMIT", "POINTER_LIMIT", "atomic_write", "open_regular", "read_bytes", "read_json",
+           "read_text", "write_bytes", "write_text"]
+
+#: Read limits, far above any real file of the kind. Configs, manifests, ``train.json``, ``state.json``:
+CONFIG_LIMIT = 64 * 2**20
+#: Tokenizers (``tokenizer.json``, ``tiktoken.model``) and safetensors indexes (the release's: ~50 MB):
+DATA_LIMIT = 1024 * 2**20
+#: A run directory's ``latest`` (one checkpoint name):
+POINTER_LIMIT = 4096
+
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+          (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"))
 
 
 @contextmanager
@@ -53,6 +74,53 @@ def write_bytes(path: str | os.PathLike, data: bytes) -> None:
 def write_text(path: str | os.PathLike, text: str) -> None:
     """``path`` holds exactly ``text`` (UTF-8) afterwards, or is unchanged (`atomic_write`)."""
     write_bytes(path, text.encode("utf-8"))
+
+
+def open_regular(path: str | os.PathLike, limit: int | None = None) -> BinaryIO:
+    """``path`` opened for binary reading once it is known, on the open descriptor, to be a regular file (links
+    followed) of at most ``limit`` bytes; else a ValueError naming it. Opening never blocks (``O_NONBLOCK``)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            kind = next((name for test, name in _KINDS if test(info.st_mode)), "not a regular file")
+            raise ValueError(f"{os.fspath(path)}: {kind}, not a regular file: refused")
+        if limit is not None and info.st_size > limit:
+            raise ValueError(_too_large(path, limit, f"{info.st_size:,} bytes"))
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_bytes(path: str | os.PathLike, limit: int) -> bytes:
+    """The bytes of the regular file ``path`` (`open_regular`), at most ``limit`` of them: a longer file (or one
+    that grows while read) is a ValueError naming it and the limit."""
+    with open_regular(path, limit) as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise ValueError(_too_large(path, limit, "it grew while read"))
+    return data
+
+
+def read_text(path: str | os.PathLike, limit: int) -> str:
+    """`read_bytes` decoded as UTF-8; invalid UTF-8 is a ValueError naming the file."""
+    try:
+        return read_bytes(path, limit).decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{os.fspath(path)}: not UTF-8 text ({err})") from err
+
+
+def read_json(path: str | os.PathLike, limit: int) -> Any:
+    """The JSON value of `read_text`; invalid JSON is a ValueError naming the file."""
+    try:
+        return json.loads(read_text(path, limit))
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{os.fspath(path)}: not valid JSON ({err})") from err
+
+
+def _too_large(path: str | os.PathLike, limit: int, size: str) -> str:
+    return f"{os.fspath(path)}: larger than the {limit:,}-byte limit for this file ({size}): refused"
 
 
 def _sync_directory(directory: Path) -> None:

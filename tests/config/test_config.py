@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
+import time
 from fractions import Fraction
 
 import pytest
@@ -11,7 +13,8 @@ from torch.overrides import TorchFunctionMode
 
 from k3.sizing.audit import audit
 from k3.config.hf import from_hf_dict
-from k3.config import PRESETS, PUBLISHED_ACTIVE, PUBLISHED_TOTAL, PUBLISHED_VISION, K3Config, load_config, preset
+from k3.config import (PRESETS, PUBLISHED_ACTIVE, PUBLISHED_TOTAL, PUBLISHED_VISION, SIZE_LIMITS, K3Config, load_config,
+                       preset)
 from k3.sizing.params import count_parameters
 from peers import transformers_kimi_linear
 
@@ -116,6 +119,26 @@ BAD = [
 def test_every_impossible_config_is_rejected_naming_the_field(field, value):
     with pytest.raises(ValueError, match=rf"config\.{field} = .* must be"):
         _with(**{field: value}).validate()
+
+
+def test_sizes_are_bounded_every_preset_inside_and_a_crafted_config_refused_at_once():
+    for name in PRESETS:  # the published 2.78T model and every preset stay far inside
+        preset(name).validate()
+    for name, limit in SIZE_LIMITS.items():
+        config = preset("paper")
+        owner, _, field = name.rpartition(".")
+        setattr(getattr(config, owner) if owner else config, field, limit + 1)
+        with pytest.raises(ValueError, match=re.escape(f"config.{name} = {limit + 1} is invalid: must be at most "
+                                                       f"{limit:,}")):
+            config.validate()
+    crafted = dataclasses.replace(preset("tiny"), context_length=2**40, mla_layers=list(range(1, 10**6)))
+    started = time.perf_counter()
+    with pytest.raises(ValueError, match=r"config\.context_length = 1099511627776 is invalid: must be at most "
+                                         r"134,217,728 \(k3\.config\.SIZE_LIMITS\)"):
+        crafted.validate()
+    assert time.perf_counter() - started < 0.05
+    with pytest.raises(ValueError, match=r"config\.mla_layers = .* must be a list of at most num_layers=4"):
+        dataclasses.replace(preset("tiny"), mla_layers=list(range(1, 10**6))).validate()
 
 
 def test_vision_width_must_split_into_heads_without_an_explicit_head_dim():

@@ -13,8 +13,9 @@ import torch
 from k3.cli import main
 from k3.config import preset
 from k3.dist.layout import ParallelLayout
-from k3.dist.plan import activation_bytes, all_to_all_bytes, build_layout, cp_bytes_per_layer, fsdp_bytes, \
-    fsdp_units, muon_bytes, parameter_split, shard_elements, state_bytes, training_plan
+from k3.dist.plan import activation_bytes, all_layouts, all_to_all_bytes, build_layout, communication_bytes, \
+    cp_bytes_per_layer, fsdp_bytes, fsdp_units, muon_bytes, parameter_split, propose_layouts, shard_elements, \
+    state_bytes, training_plan
 from k3.model.lm import K3ForCausalLM
 from k3.model.width import Experts
 from k3.train.optim import OptimConfig, build_optimizers
@@ -192,3 +193,37 @@ def test_cli_training_plan_that_does_not_fit_and_the_serving_plan_unchanged(caps
     assert main(["plan", "--ep", "4"]) == 2 and "give --gpus" in capsys.readouterr().err
     assert main(["plan", "--preset", "tiny", "--context", "64"]) == 0
     assert capsys.readouterr().out.startswith("Serving memory plan — preset 'tiny'")
+
+
+def test_all_layouts_are_every_factorisation():
+    assert sorted(layout.shape for layout in all_layouts(4)) == sorted(
+        (r, ep, shard, cp) for r in (1, 2, 4) for ep in (1, 2, 4) for shard in (1, 2, 4) for cp in (1, 2, 4)
+        if r * ep * shard * cp == 4)
+    assert len(list(all_layouts(2048))) == math.comb(11 + 3, 3)  # 2^11 over four factors
+    assert [layout.shape for layout in all_layouts(1)] == [(1, 1, 1, 1)]
+
+
+def test_without_a_layout_plan_proposes_the_fitting_layouts_least_communication_first(capsys):
+    paper = preset("paper")
+    plans = propose_layouts(paper, 2048, 65536, gpu_memory_gb=80)
+    assert plans and all(p["total"] <= p["budget"] == 80 * 2**30 for p in plans)
+    per_token = [p["communication"] / p["tokens_per_rank"] for p in plans]
+    assert per_token == sorted(per_token)
+    for p in plans[:3]:  # each is the plan of its layout, as `k3 plan` with that layout prints it
+        layout = build_layout(paper, 2048, 65536, **{k: v for k, v in p["layout"].items()})
+        assert p["communication"] == communication_bytes(training_plan(paper, layout, 65536))
+    assert {p["layout"]["ep"] for p in plans} <= {1, 2, 4, 8, 16, 32, 64, 128}  # 896 experts: ep 256 does not divide
+    shapes = {tuple(p["layout"].values()) for p in plans}
+    assert (1, 32, 8, 8) in shapes and (1, 32, 64, 1) not in shapes  # FITS fits; the activations of cp 1 do not
+    assert main(["plan", "--gpus", "2048"]) == 0  # the paper preset, no layout flag: proposed instead of refused
+    out = capsys.readouterr().out
+    first = plans[0]["layout"]
+    assert out.startswith(f"Training layouts — preset 'paper': the {len(plans)} layouts of 2,048 GPUs that fit 80 GiB")
+    assert f"--dp-replicate {first['dp_replicate']} --dp-shard {first['dp_shard']} --ep {first['ep']} " \
+           f"--cp {first['cp']}" in out
+    assert main(["plan", "--gpus", "2048", "--json"]) == 0
+    assert [p["layout"] for p in json.loads(capsys.readouterr().out)] == [p["layout"] for p in plans]
+    assert main(["plan", "--gpus", "8"]) == 2  # nothing fits: the closest layout and what to change
+    err = capsys.readouterr().err
+    assert err.startswith("k3 plan: error: no layout of --gpus 8 fits --gpu-memory-gb 80 (more GPUs might); the "
+                          "closest, ") and "the largest term is model state" in err

@@ -138,10 +138,10 @@ def test_corrupt_bytes_are_detected_at_load(run3, capsys):
 
 def test_non_finite_weights_are_rejected(run3, tmp_path):
     c = run3 / "step-0000003"
-    (c / "checksums.json").unlink()  # as in a checkpoint written without a manifest
     tensors = load_file(c / "model.safetensors")
     tensors["layers.1.ffn_norm.weight"][3] = float("nan")
     save_file(tensors, c / "model.safetensors")
+    model_ckpt.write_manifest(c)  # checksums that match: only the finite check can object
     with pytest.raises(ValueError, match=r"model\.safetensors: tensor 'layers\.1\.ffn_norm\.weight' has "
                                          r"non-finite values"):
         model_ckpt.load_model(run3)
@@ -196,10 +196,10 @@ def test_pruning_never_deletes_the_checkpoint_latest_names(tmp_path):
 # ---------------------------------------------------------------------- complete model configs
 def test_a_partial_config_in_a_checkpoint_names_the_missing_fields(run3, capsys):
     c = run3 / "step-0000003"
-    (c / "checksums.json").unlink()
     data = json.loads((c / "config.json").read_text())
     del data["hidden_size"], data["moe"]["num_experts"]
     (c / "config.json").write_text(json.dumps(data))
+    model_ckpt.write_manifest(c)
     with pytest.raises(ValueError, match=r"config\.json: missing fields: hidden_size, moe\.num_experts$"):
         model_ckpt.load_model(run3)
     assert main(["eval", "--ckpt", str(run3)]) == 2

@@ -205,6 +205,16 @@ def test_cuda_memory_is_read_from_the_device(monkeypatch):
         memory.check_fits(preset("paper"), "cuda")
 
 
+def test_a_model_beyond_the_parameter_bound_is_refused_on_any_device():
+    huge = preset("paper")
+    huge.num_layers, huge.moe.num_experts, huge.moe.expert_hidden = 1024, 2**16, 2**18  # each size within its limit
+    with pytest.raises(ValueError, match=r"model has [\d,]+ parameters, more than the 70,368,744,177,664 "
+                                         r"\(k3\.sizing\.memory\.MAX_PARAMETERS\)"):
+        with torch.device("meta"):  # where the memory check is skipped: nothing would be allocated, but built
+            K3ForCausalLM(huge.validate())
+    memory.check_fits(preset("paper"), "meta")  # 2.78T: inside
+
+
 # ---------------------------------------------------------------------- DecoderState
 def test_state_clone_select_save_load(tmp_path):
     m = model("every-path")

@@ -180,12 +180,40 @@ def test_published_config_is_the_paper_preset():
     (lambda d: (d / "model-00001-of-00002.safetensors").write_bytes(b"\x08" + b"\x00" * 7 + b"garbage!"),
      "cannot read the safetensors header"),
     (lambda d: (d / "model-00002-of-00002.safetensors").unlink(), "does not exist"),
+    (lambda d: _relink(d / "model-00002-of-00002.safetensors", "/dev/zero"), "a character device, not a regular file"),
+    (lambda d: _relink(d / "config.json", "/dev/zero"), "cannot read the checkpoint config"),
+    (lambda d: _remap(d, "../model-00002-of-00002.safetensors"), "not a .safetensors file name in"),
+    (lambda d: _text(d, max_position_embeddings=2**40), r"config.json: config.context_length = 1099511627776 is "
+                                                        r"invalid: must be at most 134,217,728"),
+    (lambda d: _text(d, vocab_size=2**22), r"config.json: describes a model of [\d,]+ parameters, which the shards "
+                                           r"of .* cannot hold"),
 ])
 def test_broken_directories_are_clear_errors(tmp_path, edit, message):
     write_release(tmp_path)
     edit(tmp_path)
     with pytest.raises(ValueError, match=message):
         _ours(tmp_path)
+
+
+def _relink(path: Path, target: str) -> None:
+    path.unlink()
+    path.symlink_to(target)
+
+
+def _remap(directory: Path, name: str) -> None:
+    """The index maps the second shard's tensors to ``name`` instead."""
+    path = directory / "model.safetensors.index.json"
+    index = json.loads(path.read_text())
+    index["weight_map"] = {k: name if v.startswith("model-00002") else v for k, v in index["weight_map"].items()}
+    path.write_text(json.dumps(index))
+
+
+def _text(directory: Path, **changes) -> None:
+    """``config.json`` with ``changes`` in its ``text_config``."""
+    path = directory / "config.json"
+    hf = json.loads(path.read_text())
+    hf["text_config"].update(changes)
+    path.write_text(json.dumps(hf))
 
 
 def test_a_missing_or_misshaped_tensor_is_named(tmp_path):

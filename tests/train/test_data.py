@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import random
 import warnings
 
@@ -15,6 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from deadline import finishes
 from k3.cli import main
 from k3.train.data import (
     STDLIB_EXCLUDED_DIRS,
@@ -164,6 +166,19 @@ def test_binary_file_in_a_folder_is_an_error(tmp_path) -> None:
     (root / "sub" / "logo.md").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR" + bytes(range(256)))
     with pytest.raises(ValueError, match=r"sub/logo\.md: looks like a binary file"):
         load_documents([root])
+
+
+@pytest.mark.parametrize("kind", ["fifo", "link to /dev/zero"])
+def test_a_fifo_or_device_in_a_folder_is_refused_not_read(tmp_path, kind) -> None:
+    root = tmp_path / "corpus"
+    root.mkdir()
+    (root / "a.txt").write_text("fine text\n")
+    if kind == "fifo":
+        os.mkfifo(root / "b.txt")  # no writer: reading it would block forever
+    else:
+        (root / "b.txt").symlink_to("/dev/zero")  # reading it would never end
+    with pytest.raises(ValueError, match=r"b\.txt: (a FIFO|a character device), not a regular file"):
+        finishes(lambda: load_documents([root]))
 
 
 def test_text_with_occasional_bad_bytes_is_still_text(tmp_path) -> None:

@@ -10,6 +10,7 @@ after 3 steps at lr 0.01, losses within 1e-5 relative.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -24,7 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from k3.dist.fsdp import local_rows
 from k3.dist.layout import ParallelLayout
-from k3.train.pretrain import Run, TrainConfig
+from k3.train.pretrain import Run, TrainConfig, paper_curriculum
 from gloo import free_port, join
 from training import config as train_config
 
@@ -306,6 +307,46 @@ def test_k3_train_nproc_runs_torchrun_end_to_end(corpus, tmp_path):
                                text=True, timeout=300)
     assert evaluated.returncode == 0, evaluated.stderr[-2000:]
     assert f"{json.loads(evaluated.stdout)['val_loss']:.4f}" in printed[0]
+
+
+@pytest.mark.parametrize("flag", ["--dp-shard", "--ep"])
+def test_k3_train_runs_on_2_processes_with_the_default_batch(corpus, tmp_path, flag):
+    """``k3 train --nproc 2 --dp-shard 2`` (or ``--ep 2``) and no batch flag: the default batch, 4096 tokens per data
+    rank, splits over the data ranks in every curriculum stage and the run trains (issue 35, item 7; ``--cp`` layouts'
+    defaults are checked below without processes, the end-to-end ``--cp 2`` run above uses the same launch)."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "k3", "train", "--preset", "tiny", "--nproc", "2", flag, "2", "--steps", "1",
+               "--data", str(corpus), "--out", str(out), "--no-progress"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "step 1/1: validation loss" in result.stdout
+    train = json.loads((out / "step-0000001" / "train.json").read_text())
+    assert train["tokens_per_step"] == 8192 and train["curriculum"] == paper_curriculum(32)
+
+
+def test_the_default_batch_splits_over_any_layout_and_a_given_one_is_explained(corpus, tmp_path):
+    from k3.train.distributed import check_layout
+
+    base = train_config(tmp_path / "x", corpus, tokens_per_step=None, curriculum=paper_curriculum(32))
+    for layout, expected in ((ParallelLayout(), 4096), (ParallelLayout(dp_shard=2), 8192), (ParallelLayout(cp=4), 4096),
+                             (ParallelLayout(dp_shard=2, cp=2), 8192), (ParallelLayout(ep=2, cp=2), 8192),
+                             (ParallelLayout(dp_replicate=2, dp_shard=3, ep=2), 12 * 4096)):
+        assert check_layout(base, layout) == layout
+        assert base.resolved(layout.data_ranks).tokens_per_step == expected
+    uneven = train_config(tmp_path / "x", corpus, tokens_per_step=None, curriculum=[[0.0, 48], [0.5, 80]],
+                          grad_accum=2)
+    assert uneven.resolved(3).tokens_per_step == 3 * 2 * 240 * 9  # lcm 240 × 2 micro-batches, >= 4096 per rank
+    check_layout(uneven, ParallelLayout(dp_shard=3))
+    assert Run(base).config.tokens_per_step == 4096  # one process
+    given = train_config(tmp_path / "x", corpus, tokens_per_step=4096, curriculum=paper_curriculum(32))
+    with pytest.raises(ValueError, match=r"--tokens-per-step 4096 \(with --grad-accum 1\) gives the 4096-token "
+                                         r"curriculum stage 1 sequence\(s\) per micro-batch, which do not split over "
+                                         r"the 2 data-parallel ranks .*give --tokens-per-step 8192, or leave it out"):
+        check_layout(given, ParallelLayout(dp_shard=2))
+    assert given.resolved(2).tokens_per_step == 4096  # a value given is never changed
 
 
 def test_layout_refusals_name_the_flag(corpus, tmp_path, capsys):

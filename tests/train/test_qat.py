@@ -15,7 +15,7 @@ from k3.cli import main
 from k3.config import MXConfig, SiTUConfig, preset
 from k3.sizing.params import parameter_breakdown
 from k3.config.hf import from_release_dict, mx_from_quantization, quantization_config
-from k3.model.checkpoint import WEIGHTS, load_model
+from k3.model.checkpoint import WEIGHTS, load_model, write_manifest
 from k3.model.width import Experts
 from k3.ops import mx
 from k3.train import checkpoint as ckpt
@@ -174,11 +174,11 @@ def test_post_training_quantization_writes_the_release_layout(runs, tmp_path):
 
 
 def _rewrite(directory: Path, change) -> None:
-    """Edit the tensors of a checkpoint and drop its checksums, so only the content checks can object."""
+    """Edit the tensors of a checkpoint and re-sign it, so only the content checks can object."""
     tensors = load_file(str(directory / WEIGHTS))
     change(tensors)
     save_file(tensors, str(directory / WEIGHTS))
-    (directory / "checksums.json").unlink()
+    write_manifest(directory)
 
 
 NAME = "layers.2.ffn.experts.packed.1.w3."
@@ -215,7 +215,7 @@ def test_corrupt_or_inconsistent_quantized_checkpoints_are_clean_errors(runs, tm
     cfg = json.loads(path.read_text())
     del cfg["quantization_config"]["config_groups"]["group_0"]["input_activations"]
     path.write_text(json.dumps(cfg))
-    (out / "checksums.json").unlink()
+    write_manifest(out)
     with pytest.raises(ValueError, match="config.json: quantization_config describes"):
         load_model(out)
 

@@ -34,7 +34,8 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    """The serving plan, or with ``--gpus`` the training plan (`k3.dist.plan`)."""
+    """The serving plan, or with ``--gpus`` the training plan (`k3.dist.plan`) of the layout given, or without one
+    the layouts that fit, ranked."""
     config, title = _config(args)
     if args.gpus is None:
         given = [flag for flag in ("dp_replicate", "dp_shard", "ep", "cp") if getattr(args, flag) is not None]
@@ -45,8 +46,13 @@ def _plan(args: argparse.Namespace) -> int:
         result = plan(config, args.context, args.batch)
         print(json.dumps(result, indent=2) if args.json else format_plan(result, title))
         return 0
-    from k3.dist.plan import build_layout, format_training_plan, training_plan
+    from k3.dist.plan import build_layout, format_layouts, format_training_plan, propose_layouts, training_plan
 
+    if all(getattr(args, flag) is None for flag in ("dp_replicate", "dp_shard", "ep", "cp")):  # propose layouts
+        plans = propose_layouts(config, args.gpus, args.seq, args.batch_seqs, args.gpu_memory_gb,
+                                recompute=not args.no_recompute, flash=not args.no_flash)
+        print(json.dumps(plans, indent=2) if args.json else format_layouts(plans, title))
+        return 0
     layout = build_layout(config, args.gpus, args.seq, args.dp_replicate, args.dp_shard, args.ep, args.cp)
     result = training_plan(config, layout, args.seq, args.batch_seqs, args.gpu_memory_gb,
                            recompute=not args.no_recompute, flash=not args.no_flash)
@@ -76,7 +82,8 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     train_plan.add_argument("--gpu-memory-gb", type=positive(float), default=80.0,
                             help="memory per GPU in GiB; a plan that does not fit is refused (default %(default)s)")
     for flag, help_ in (("--dp-replicate", "model replicas (HSDP outer dimension; default 1)"),
-                        ("--dp-shard", "FSDP shards (default: what the other factors leave of --gpus)"),
+                        ("--dp-shard", "FSDP shards (default: what the other factors leave of --gpus; with no layout "
+                                       "flag at all, every layout that fits is listed, least communication first)"),
                         ("--ep", "expert-parallel ranks (default 1)"), ("--cp", "context-parallel ranks (default 1)")):
         train_plan.add_argument(flag, type=positive(int), help=help_)
     train_plan.add_argument("--seq", type=positive(int), default=65536, help="tokens per sequence (default 65536)")

@@ -15,7 +15,7 @@ from k3.serve.options import EngineOptions, load, positive
 def _generate(args: argparse.Namespace) -> int:
     from k3.generation import stream
 
-    model, tokenizer = load(args.ckpt)
+    model, tokenizer = load(args.ckpt, verify=not args.no_verify)
     prompt = tokenizer.encode(args.prompt) or [tokenizer.bos_id]
     compiled = None
     if EngineOptions.from_args(args).compile:
@@ -94,7 +94,7 @@ def _serve(args: argparse.Namespace) -> int:
     limits = _limits(args)  # invalid limits are refused before the model is loaded
     options = EngineOptions.from_args(args)
     torch.set_num_threads(options.threads or max(1, (os.cpu_count() or 1) - 1))
-    engine = options.build(*load(args.ckpt))
+    engine = options.build(*load(args.ckpt, verify=not args.no_verify))
     if engine.compiled is not None:  # every graph built before the first request: none stalls a running batch
         seconds = engine.compiled.warm_up(engine.max_batch, engine.max_model_len)
         print(f"k3 serve: {engine.compiled.compilations} graphs compiled in {seconds:.1f} s (decode batches up to "
@@ -126,7 +126,7 @@ def _chat(args: argparse.Namespace) -> int:
     from k3.chat import chat_format
     from k3.serve.engine import SamplingParams
 
-    engine = EngineOptions.from_args(args).build(*load(args.ckpt))
+    engine = EngineOptions.from_args(args).build(*load(args.ckpt, verify=not args.no_verify))
     tokenizer = engine.tokenizer
     fmt = chat_format(tokenizer)
     mode, history = args.mode, []
@@ -210,9 +210,14 @@ def _chat_images(paths: list[str], engine, fmt) -> list:
     return out
 
 
+_NO_VERIFY = "load a kimi-k3 checkpoint without checking its checksums.json (e.g. one whose manifest was lost); a " \
+             "warning says so"
+
+
 def _add_generate(commands: argparse._SubParsersAction) -> None:
     gen = commands.add_parser("generate", help="continue a prompt with a trained checkpoint")
     gen.add_argument("--ckpt", required=True, help="a run, checkpoint or released Kimi K3 directory")
+    gen.add_argument("--no-verify", action="store_true", help=_NO_VERIFY)
     gen.add_argument("--prompt", default="")
     gen.add_argument("--max-tokens", type=int, default=100)
     gen.add_argument("--temperature", type=float, default=0.8)
@@ -228,6 +233,7 @@ def _add_engine_command(commands: argparse._SubParsersAction, name: str, help_: 
     sub = commands.add_parser(name, help=help_)
     sub.add_argument("--ckpt", required=True, help="a run directory, a checkpoint directory, or a released "
                      "Kimi K3 directory (config.json with model_type kimi_k3, shards, tiktoken tokenizer)")
+    sub.add_argument("--no-verify", action="store_true", help=_NO_VERIFY)
     sub.add_argument("--mode", choices=("thinking", "instruct"), default=mode,
                      help="the chat mode when a request does not choose one (default: %(default)s)")
     EngineOptions.add_arguments(sub)

@@ -124,7 +124,9 @@ def _add_train(commands: argparse._SubParsersAction) -> None:
     tr.add_argument("--data-limit-mb", type=float, help="use at most this much of the standard-library corpus")
     tr.add_argument("--out", default="runs/k3", help="run directory: checkpoints, metrics.jsonl, curves.png")
     tr.add_argument("--resume", action="store_true", help="continue the run in --out if it has a checkpoint")
-    tr.add_argument("--tokens-per-step", type=int, default=4096)
+    tr.add_argument("--tokens-per-step", type=int,
+                    help="tokens per optimiser step (default: 4096 per data-parallel rank, rounded up so that every "
+                         "curriculum stage's sequences split evenly over the data ranks)")
     tr.add_argument("--grad-accum", type=int, default=1)
     tr.add_argument("--curriculum", type=_curriculum, default="paper:32",
                     help="FRACTION:LENGTH stages, e.g. 0:256,0.6:1024,0.9:4096, or paper:BASE, the paper's "

@@ -7,6 +7,7 @@ from k3.config.schema import (
     MX_ACTIVATION_FORMATS,
     MX_WEIGHT_FORMATS,
     PACKED_ACTIVATIONS,
+    SIZE_LIMITS,
     AttnResConfig,
     K3Config,
     KDAConfig,
@@ -29,6 +30,6 @@ from k3.config.presets import (
 from k3.config.hf import load_config
 
 __all__ = ["ASSUMPTIONS", "MEDIA_TOKEN_ID", "MX_ACTIVATION_FORMATS", "MX_WEIGHT_FORMATS", "PACKED_ACTIVATIONS",
-           "PRESETS", "PUBLISHED_ACTIVE", "PUBLISHED_TOTAL", "PUBLISHED_VISION", "RELEASE_DECISIONS", "AttnResConfig",
-           "K3Config", "KDAConfig", "MLAConfig", "MXConfig", "MoEConfig", "SiTUConfig", "VisionConfig", "load_config",
-           "missing_fields", "preset"]
+           "PRESETS", "PUBLISHED_ACTIVE", "PUBLISHED_TOTAL", "PUBLISHED_VISION", "RELEASE_DECISIONS", "SIZE_LIMITS",
+           "AttnResConfig", "K3Config", "KDAConfig", "MLAConfig", "MXConfig", "MoEConfig", "SiTUConfig", "VisionConfig",
+           "load_config", "missing_fields", "preset"]

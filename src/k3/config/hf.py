@@ -24,8 +24,8 @@ from k3.config.schema import (
     MXConfig,
     SiTUConfig,
     VisionConfig,
-    read_json,
 )
+from k3.files import CONFIG_LIMIT, read_json
 
 #: compressed-tensors format of the released routed experts (SPEC §10).
 MXFP4_FORMAT = "mxfp4-pack-quantized"
@@ -34,7 +34,7 @@ MXFP4_FORMAT = "mxfp4-pack-quantized"
 def load_config(path: str | os.PathLike) -> K3Config:
     """Read our JSON (`K3Config.save`) or a Hugging Face-style ``config.json`` (detected by ``model_type``); a
     user-written file may leave fields out (they take the paper defaults, e.g. for ``k3 info --config``)."""
-    data = read_json(path)
+    data = read_json(path, CONFIG_LIMIT)
     if isinstance(data, dict) and "model_type" in data:
         return from_hf_dict(data)
     return K3Config.from_dict(data)
@@ -168,7 +168,8 @@ def from_release_dict(hf: dict[str, Any]) -> K3Config:
     n_layers, heads, head_dim = f("num_hidden_layers"), lf("num_heads"), lf("head_dim")
     kda_layers = [int(i) for i in lf("kda_layers")]
     mla_layers = [int(i) for i in lf("full_attn_layers")]
-    if sorted(kda_layers + mla_layers) != list(range(1, n_layers + 1)):
+    if not isinstance(n_layers, int) or len(kda_layers) + len(mla_layers) != n_layers or \
+            sorted(kda_layers + mla_layers) != list(range(1, n_layers + 1)):  # the count first: no 2^40-long range
         raise ValueError("Kimi K3 config: linear_attn_config.kda_layers and full_attn_layers must partition the "
                          f"layers 1..{n_layers}")
     quant = quantization(hf)

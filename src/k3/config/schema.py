@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from k3.files import write_text
+from k3.files import CONFIG_LIMIT, read_json, write_text
 
 
 @dataclass
@@ -144,6 +144,24 @@ MX_ACTIVATION_FORMATS = ("mxfp8_e4m3", "mxfp8_e5m2")
 #: format compressed-tensors' ``quantization_config`` can describe).
 PACKED_ACTIVATIONS = ("keep", "none", "mxfp8_e4m3")
 
+_WIDTH, _HEADS, _LAYERS = 2**18, 2**12, 1024
+#: The largest value `K3Config.validate` admits for each size, by dotted field name: far beyond any published model
+#: (the paper preset: vocabulary 163,840, width 7,168, 93 layers, 896 experts, 1M context) yet small enough that a
+#: crafted ``config.json`` (a context of 2^40 tokens, a width of 10^9) is refused in milliseconds, before anything
+#: is built or allocated. The parameter count as a whole is bounded by `k3.sizing.memory.check_fits`.
+SIZE_LIMITS: dict[str, int] = {
+    "vocab_size": 2**22, "hidden_size": 2**17, "num_layers": _LAYERS, "context_length": 2**27,
+    "kda.num_heads": _HEADS, "kda.head_dim": _HEADS, "kda.value_head_dim": _HEADS, "kda.conv_size": 1024,
+    "kda.decay_rank": _WIDTH, "kda.a_log_size": _HEADS, "kda.output_gate_rank": _WIDTH, "kda.chunk_size": 4096,
+    "mla.num_heads": _HEADS, "mla.q_lora_rank": _WIDTH, "mla.kv_lora_rank": _WIDTH, "mla.qk_nope_head_dim": _HEADS,
+    "mla.qk_shared_head_dim": _HEADS, "mla.v_head_dim": _HEADS, "attn_res.block_size": _LAYERS,
+    "moe.num_experts": 2**16, "moe.num_shared_experts": 1024, "moe.expert_hidden": _WIDTH,
+    "moe.shared_hidden": _WIDTH, "moe.latent_dim": _WIDTH, "moe.dense_hidden": _WIDTH,
+    "vision.num_layers": _LAYERS, "vision.hidden_size": 2**17, "vision.num_heads": _HEADS, "vision.head_dim": _HEADS,
+    "vision.mlp_hidden": _WIDTH, "vision.pos_emb_size": 4096, "vision.patch_size": 1024, "vision.in_channels": 1024,
+    "vision.merge_size": 256, "vision.max_frames": 4096, "vision.patch_budget": 2**24,
+}
+
 _SUBCONFIGS: dict[str, type] = {
     "kda": KDAConfig,
     "mla": MLAConfig,
@@ -198,7 +216,9 @@ class K3Config:
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> K3Config:
-        """Raise `ValueError` naming the field and its accepted range for any impossible combination."""
+        """Raise `ValueError` naming the field and its accepted range for any impossible combination (sizes beyond
+        `SIZE_LIMITS` first)."""
+        _within_limits(self)
         _positive(self, "vocab_size", "hidden_size", "num_layers", "mla_period", "context_length")
         _check(_real(self.rms_norm_eps) and self.rms_norm_eps > 0, "rms_norm_eps", self.rms_norm_eps, "> 0")
         _check(_real(self.initializer_range) and self.initializer_range > 0, "initializer_range",
@@ -209,7 +229,8 @@ class K3Config:
         _flags(self.vision, "enabled", prefix="vision")
         _flags(self.mx, "enabled", prefix="mx")
         if self.mla_layers is not None:
-            _check(isinstance(self.mla_layers, list), "mla_layers", self.mla_layers, "a list of layer indices or null")
+            _check(isinstance(self.mla_layers, list) and len(self.mla_layers) <= self.num_layers, "mla_layers",
+                   self.mla_layers, f"a list of at most num_layers={self.num_layers} layer indices, or null")
             for i in self.mla_layers:
                 _check(isinstance(i, int) and 1 <= i <= self.num_layers, "mla_layers", self.mla_layers,
                        f"1-based layer indices in [1, num_layers={self.num_layers}]")
@@ -331,20 +352,11 @@ class K3Config:
         """Read a file written by `save` (a user-written file may leave fields out: they take the paper defaults,
         e.g. for ``k3 info --config``; checkpoints are read with ``from_dict(..., complete=True)`` instead).
         A Hugging Face ``config.json`` (it has ``model_type``) is read by `k3.config.load_config`."""
-        data = read_json(path)
+        data = read_json(path, CONFIG_LIMIT)
         if isinstance(data, dict) and "model_type" in data:
             raise ValueError(f"{os.fspath(path)}: a Hugging Face config.json (model_type {data['model_type']!r}); "
                              f"read it with k3.config.load_config")
         return cls.from_dict(data)
-
-
-def read_json(path: str | os.PathLike) -> Any:
-    """The JSON value of a config file; invalid JSON is a ValueError naming the file."""
-    with open(path) as f:
-        try:
-            return json.load(f)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{os.fspath(path)}: not valid JSON ({err})") from err
 
 
 def missing_fields(data: dict[str, Any]) -> list[str]:
@@ -367,6 +379,15 @@ def _build(kind: type, value: Any, prefix: str) -> Any:
         if key not in names:
             raise ValueError(f"unknown config field '{prefix}.{key}'; expected one of {sorted(names)}")
     return kind(**value)
+
+
+def _within_limits(config: K3Config) -> None:
+    """Every integer size of ``config`` at most its `SIZE_LIMITS` entry (other types are `validate`'s to refuse)."""
+    for name, limit in SIZE_LIMITS.items():
+        owner, _, field_name = name.rpartition(".")
+        value = getattr(getattr(config, owner) if owner else config, field_name)
+        if isinstance(value, int) and not isinstance(value, bool):
+            _check(value <= limit, name, value, f"at most {limit:,} (k3.config.SIZE_LIMITS)")
 
 
 def _check(ok: bool, name: str, value: Any, accepted: str) -> None:

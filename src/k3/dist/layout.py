@@ -73,21 +73,15 @@ class ParallelLayout:
     def distributed(self) -> bool:
         return self.world > 1
 
-    def validate(self, config: K3Config, batch_rows: list[int] | None = None,
-                 seq_lens: list[int] | None = None) -> ParallelLayout:
-        """Check the layout against a model (``ep`` divides the routed experts and needs a MoE; ``cp`` needs
-        sequences of at least ``cp`` tokens) and, when given, the batch rows of each curriculum stage (divisible by
-        the data ranks) and its sequence lengths. Raises ValueError naming the flag."""
+    def validate(self, config: K3Config, seq_lens: list[int] | None = None) -> ParallelLayout:
+        """Check the layout against a model (``ep`` divides the routed experts and needs a MoE) and, when given,
+        the sequence lengths of the curriculum stages (``cp`` needs sequences of at least ``cp`` tokens; the batch
+        against the data ranks is `k3.train.distributed.check_layout`'s). Raises ValueError naming the flag."""
         if self.ep > 1:
             if "moe" not in config.ffn_kinds():
                 raise ValueError(f"--ep {self.ep}: this model has no routed experts (no MoE layer)")
             if config.moe.num_experts % self.ep:
                 raise ValueError(f"--ep {self.ep} does not divide the {config.moe.num_experts} routed experts")
-        for rows in batch_rows or []:
-            if rows % self.data_ranks:
-                raise ValueError(f"a step's {rows} sequence(s) do not split over the {self.data_ranks} data-parallel "
-                                 f"ranks (--dp-replicate × --dp-shard × --ep): change --tokens-per-step, "
-                                 f"--grad-accum or the layout")
         for length in seq_lens or []:
             if length < self.cp:
                 raise ValueError(f"--cp {self.cp}: sequences of {length} tokens cannot be cut into {self.cp} segments")

@@ -17,11 +17,15 @@ Communication is counted as **bytes one rank receives from the other ranks** (wh
 output minus the rank's own piece; ring algorithms for all-gather, reduce-scatter and all-reduce): all-gather of a
 tensor of total size S over n ranks → (n − 1)/n·S; reduce-scatter → (n − 1)/n·S; all-reduce → 2(n − 1)/n·S;
 all-to-all with balanced routing (MoonEP, SPEC §8) → (n − 1)/n of the buffer. Bytes are integers (floored).
+
+Without a layout, `propose_layouts` plans every factorisation of the GPUs the model admits and keeps those that fit,
+least communication per token first (``k3 plan --gpus N`` with no layout flag).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from typing import Any
 
 from k3.config import K3Config
@@ -294,6 +298,71 @@ def training_plan(config: K3Config, layout: ParallelLayout, seq: int, sequences:
         p["budget"] = int(gpu_memory_gb * GIB)
         _check_fits(p, recompute)
     return p
+
+
+def all_layouts(gpus: int) -> Iterator[ParallelLayout]:
+    """Every layout of ``gpus`` ranks: each ordered factorisation ``dp_replicate × dp_shard × ep × cp``."""
+    divisors = [n for n in range(1, gpus + 1) if gpus % n == 0]
+    for replicate in divisors:
+        for ep in (n for n in divisors if gpus // replicate % n == 0):
+            for cp in (n for n in divisors if gpus // (replicate * ep) % n == 0):
+                yield ParallelLayout(replicate, gpus // (replicate * ep * cp), ep, cp)
+
+
+def communication_bytes(p: dict[str, Any]) -> int:
+    """Bytes one rank receives per step in plan ``p``: MoE all-to-all, FSDP, Muon and context parallelism."""
+    return p["moe_all_to_all"] + sum(p["fsdp"].values()) + sum(p["muon"].values()) + p["cp_per_step"]
+
+
+def propose_layouts(config: K3Config, gpus: int, seq: int, sequences: int = 1, gpu_memory_gb: float = 80.0,
+                    dtype_bytes: int = 2, recompute: bool = True, flash: bool = True) -> list[dict[str, Any]]:
+    """The `training_plan` of every layout of ``gpus`` that the model admits (`build_layout`'s checks) and whose
+    per-rank peak fits ``gpu_memory_gb``, each with its ``communication`` (`communication_bytes`), ranked by bytes
+    received per token a rank trains (a layout that trains fewer tokens per rank, more ``cp``, must move fewer bytes
+    to rank ahead), then by memory. None fits: a ValueError on the layout with the smallest peak, saying what to
+    change."""
+    c = config.validate()
+    fitting, closest = [], None
+    for layout in all_layouts(gpus):
+        try:
+            layout.validate(c, seq_lens=[seq])
+        except ValueError:
+            continue
+        p = training_plan(c, layout, seq, sequences, None, dtype_bytes, recompute, flash)
+        p["budget"], p["communication"] = int(gpu_memory_gb * GIB), communication_bytes(p)
+        if p["total"] <= p["budget"]:
+            fitting.append(p)
+        elif closest is None or p["total"] < closest["total"]:
+            closest = p
+    if not fitting:
+        if closest is None:
+            raise ValueError(f"no layout of --gpus {gpus} suits this model at --seq {seq}")
+        try:
+            _check_fits(closest, recompute)
+        except ValueError as err:
+            layout = " × ".join(f"{k} {v}" for k, v in closest["layout"].items())
+            raise ValueError(f"no layout of --gpus {gpus} fits --gpu-memory-gb {gpu_memory_gb:g} (more GPUs might); "
+                             f"the closest, {layout}: {err}") from err
+    return sorted(fitting, key=lambda p: (p["communication"] / p["tokens_per_rank"], p["total"]))
+
+
+def format_layouts(plans: list[dict[str, Any]], title: str, shown: int = 10) -> str:
+    """`propose_layouts`' plans as a table, the best first, and the command that details the best."""
+    first = plans[0]
+    lines = [f"Training layouts — {title}: the {len(plans):,} layouts of {first['gpus']:,} GPUs that fit "
+             f"{first['budget'] / GIB:g} GiB per GPU ({first['seq']:,}-token sequences, "
+             f"{first['sequences_per_data_rank']} per data rank), least communication per token first", "",
+             f"  {'dp_replicate':>12} {'ep':>5} {'dp_shard':>8} {'cp':>5} {'tokens/step':>13} {'memory/rank':>13} "
+             f"{'received/rank/step':>19} {'bytes/token':>12}"]
+    for p in plans[:shown]:
+        r, ep, shard, cp = p["layout"].values()
+        lines.append(f"  {r:>12} {ep:>5} {shard:>8} {cp:>5} {p['tokens_per_step']:>13,} {_gib(p['total']):>13} "
+                     f"{_gib(p['communication']):>19} {p['communication'] // p['tokens_per_rank']:>12,}")
+    if len(plans) > shown:
+        lines.append(f"  … {len(plans) - shown:,} more (--json lists them all)")
+    r, ep, shard, cp = first["layout"].values()
+    lines += ["", f"the first in detail: the same command with --dp-replicate {r} --dp-shard {shard} --ep {ep} --cp {cp}"]
+    return "\n".join(lines)
 
 
 def _check_fits(p: dict[str, Any], recompute: bool) -> None:

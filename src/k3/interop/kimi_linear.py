@@ -34,19 +34,18 @@ MoE ``ffn.shared.{gate,up,down}_proj``         ``mlp.shared_experts.{gate,up,dow
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
 from torch import Tensor
 
 from k3.config import K3Config
 from k3.config.hf import from_hf_dict
+from k3.files import CONFIG_LIMIT, read_json
 from k3.model.lm import K3ForCausalLM
+from k3.model.safetensors_io import Shards
 
 _KDA = {"q_proj", "k_proj", "v_proj", "b_proj", "o_proj", "f_a_proj", "f_b_proj", "dt_bias", "g_a_proj",
         "g_b_proj", "o_norm"}
@@ -165,19 +164,10 @@ def load_kimi_linear(path: str | Path) -> K3ForCausalLM:
     path = Path(path)
     config_file = path / "config.json"
     try:
-        hf_config = json.loads(config_file.read_text())
-    except (OSError, json.JSONDecodeError) as err:
+        hf_config = read_json(config_file, CONFIG_LIMIT)
+    except OSError as err:
         raise ValueError(f"{config_file}: cannot read the checkpoint config ({err})") from err
-    index = path / "model.safetensors.index.json"
-    files = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists()
-             else sorted(p.name for p in path.glob("*.safetensors")))
-    if not files:
-        raise ValueError(f"{path}: no safetensors weights found")
-    state: dict[str, Tensor] = {}
-    for name in files:
-        try:
-            state.update(load_file(str(path / name)))
-        except (SafetensorError, OSError) as err:
-            raise ValueError(f"{path / name}: cannot read weights ({err})") from err
+    shards = Shards(path)  # regular files, headers and index checked; tensors memory-mapped
+    state: dict[str, Tensor] = {name: shards.tensor(name) for name in shards}
     config = config_from_hf(hf_config)
     return _build(config, convert_state_dict(state, config))

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from k3.files import atomic_write, write_text
 from k3.model import checkpoint as model_checkpoint
-from k3.model.checkpoint import atomic_directory, non_finite, verified
+from k3.model.checkpoint import atomic_directory, non_finite, read_verified_json, verified
 from k3.model.lm import K3ForCausalLM
 from k3.model.norm import RMSNorm
 from k3.model.sequence.kda import KDALayer, KDAState
@@ -236,9 +236,9 @@ class EagleDraft(nn.Module):
         """The draft saved in ``directory`` (or the newest checkpoint of a ``k3 train-draft`` run directory) over
         ``target``; checksums are verified and a mismatch with the target names the file and field."""
         ckpt = _resolve(Path(directory))
-        path = verified(ckpt, DRAFT_CONFIG)
+        path = ckpt / DRAFT_CONFIG
+        data = read_verified_json(ckpt, DRAFT_CONFIG)
         try:
-            data = json.loads(path.read_text())
             if data.get("format") != DRAFT_FORMAT or data.get("version") != DRAFT_VERSION:
                 raise ValueError(f"expected format {DRAFT_FORMAT!r} version {DRAFT_VERSION}")
             saved = data["draft"]

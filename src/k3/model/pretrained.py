@@ -42,10 +42,11 @@ from torch import Tensor
 
 from k3.config import K3Config
 from k3.config.hf import from_release_dict, is_release, to_release_dict
-from k3.files import write_text
+from k3.files import CONFIG_LIMIT, read_json, write_text
 from k3.model.packed import PROJECTIONS, PackedExperts, use_packed_experts
 from k3.model.safetensors_io import Shards, write_shards
 from k3.model.width import Experts, LatentMoE
+from k3.sizing.memory import check_stored
 
 TEXT, MODEL = "language_model.", "language_model.model."
 VISION_PREFIXES = ("vision_tower.", "mm_projector.")
@@ -155,7 +156,7 @@ def _skeleton(cls: type, config: K3Config, packed: bool) -> Any:
 def is_release_dir(directory: str | os.PathLike) -> bool:
     """Whether ``directory`` holds a released-layout ``config.json`` (``model_type: kimi_k3``)."""
     try:
-        return is_release(json.loads((Path(directory) / "config.json").read_text()))
+        return is_release(read_json(Path(directory) / "config.json", CONFIG_LIMIT))
     except (OSError, ValueError, AttributeError):
         return False
 
@@ -163,8 +164,8 @@ def is_release_dir(directory: str | os.PathLike) -> bool:
 def read_release_config(directory: str | os.PathLike) -> dict[str, Any]:
     path = Path(directory) / "config.json"
     try:
-        hf = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
+        hf = read_json(path, CONFIG_LIMIT)
+    except (OSError, ValueError) as err:
         raise ValueError(f"{path}: cannot read the checkpoint config ({err})") from err
     if not isinstance(hf, dict) or not is_release(hf):
         raise ValueError(f"{path}: not a Kimi K3 release config (model_type "
@@ -183,11 +184,18 @@ def from_pretrained(cls: type, directory: str | os.PathLike, dtype: torch.dtype 
     """Load a release directory into ``cls`` (`K3ForCausalLM`); see the module docstring. ``packed=False``
     decodes the MXFP4 experts into trainable float `Experts`."""
     hf = read_release_config(directory)
+    config_file = Path(directory) / "config.json"
     config = from_release_dict(hf)
-    shards = Shards(directory)
+    shards = Shards(directory)  # headers only
     a_log = next((name for name in shards if name.endswith("self_attn.A_log")), None)
     if a_log is not None:  # the stored length of A_log (the model reads its first num_heads entries)
         config.kda.a_log_size = shards.entries[a_log].shape[-1]
+    try:  # absurd sizes, and a model larger than the shards, are refused before anything is built
+        config.validate()
+    except (ValueError, TypeError) as err:
+        raise ValueError(f"{config_file}: {err}") from err
+    check_stored(config, sum(e.end - e.start for e in shards.entries.values()), str(config_file),
+                 f"the shards of {directory}")
     release_packed = any(name.endswith(".weight_packed") for name in shards)
     model = _skeleton(cls, config, release_packed)
     expected = model.state_dict()

@@ -4,8 +4,10 @@
 out tensors that are views of a copy-on-write memory map of their file: nothing is read from disk until a
 tensor's pages are touched, so a layer's routed experts cost memory only once they are used. Every header
 is checked (JSON, dtypes, shapes against byte ranges, ranges inside the file, the index against the files);
-a problem is a `ValueError` naming the file and tensor. `write_shards` writes a state dict back in the same
-layout, each file through `k3.files.atomic_write`.
+a problem is a `ValueError` naming the file and tensor. Shards, and the index, must be regular files
+(`k3.files.open_regular`: a link to ``/dev/zero`` or a FIFO is refused before anything is read or mapped) named
+inside the directory. `write_shards` writes a state dict back in the same layout, each file through
+`k3.files.atomic_write`.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor
 
-from k3.files import atomic_write, write_text
+from k3.files import DATA_LIMIT, atomic_write, open_regular, read_json, write_text
 
 INDEX_FILE = "model.safetensors.index.json"
 DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
@@ -44,8 +46,8 @@ class Entry:
 
 def _header(path: Path) -> dict[str, Entry]:
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
+            size = os.fstat(f.fileno()).st_size
             raw = f.read(8)
             n = int.from_bytes(raw, "little") if len(raw) == 8 else -1
             if not 0 < n <= min(_MAX_HEADER, size - 8):
@@ -80,10 +82,14 @@ class Shards:
         index = self.directory / INDEX_FILE
         if index.exists():
             try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (OSError, json.JSONDecodeError, KeyError, TypeError) as err:
-                raise ValueError(f"{index}: not a safetensors index ({err})") from err
-            files = sorted(set(weight_map.values()))
+                weight_map = read_json(index, DATA_LIMIT)["weight_map"]
+                files = sorted(set(weight_map.values()))
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+                raise ValueError(f"{index}: not a safetensors index ({type(err).__name__}: {err})") from err
+            strange = [name for name in files if not isinstance(name, str) or Path(name).name != name
+                       or not name.endswith(".safetensors")]
+            if strange:
+                raise ValueError(f"{index}: lists {strange[0]!r}, not a .safetensors file name in {self.directory}")
         else:
             weight_map, files = None, sorted(p.name for p in self.directory.glob("*.safetensors"))
         if not files:
@@ -91,7 +97,7 @@ class Shards:
         self.entries: dict[str, Entry] = {}
         for name in files:
             path = self.directory / name
-            if not path.is_file():
+            if not path.exists():
                 raise ValueError(f"{index}: lists {name}, which does not exist")
             for key, entry in _header(path).items():
                 if key in self.entries:
@@ -113,8 +119,11 @@ class Shards:
         """A view of the memory-mapped file (copy-on-write: writing to it never changes the file)."""
         entry = self.entries[name]
         if entry.file not in self._maps:
-            with open(entry.file, "rb") as f:
+            with open_regular(entry.file) as f:
                 self._maps[entry.file] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        if len(self._maps[entry.file]) < entry.end:
+            raise ValueError(f"{entry.file}: shrank to {len(self._maps[entry.file])} bytes since its header was read; "
+                             f"tensor {name!r} ends at byte {entry.end}")
         count = math.prod(entry.shape)
         if count == 0:
             return torch.empty(entry.shape, dtype=entry.dtype)

@@ -20,7 +20,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from k3.files import atomic_write
+from k3.files import atomic_write, open_regular
 from k3.model.sequence.kda import KDAReplay, KDAState
 from k3.model.sequence.mla import MLACache
 
@@ -172,6 +172,7 @@ class DecoderState:
         """Read a file written by `save`; a corrupt or foreign file raises ValueError naming it."""
         path = os.fspath(path)
         try:
+            open_regular(path).close()  # a FIFO or a device is refused, not read
             tensors = load_file(path)
             with safe_open(path, "pt") as f:
                 meta = f.metadata() or {}

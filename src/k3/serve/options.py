@@ -33,9 +33,10 @@ def positive(kind: type, zero: bool = False) -> Callable[[str], int | float]:
     return parse
 
 
-def load(path: str) -> tuple[Any, Any]:
+def load(path: str, verify: bool = True) -> tuple[Any, Any]:
     """(model, tokenizer) of a released Kimi K3 directory (`K3ForCausalLM.from_pretrained`, its tiktoken
-    tokenizer) or of a kimi-k3 checkpoint / run directory."""
+    tokenizer) or of a kimi-k3 checkpoint / run directory (``verify=False``: without its checksums,
+    `k3.model.checkpoint.load_model`)."""
     from k3.model.pretrained import is_release_dir
 
     if is_release_dir(path):
@@ -45,7 +46,7 @@ def load(path: str) -> tuple[Any, Any]:
         return K3ForCausalLM.from_pretrained(path), KimiTokenizer.load(path)
     from k3.model.checkpoint import load_model
 
-    return load_model(Path(path))
+    return load_model(Path(path), verify)
 
 
 @dataclass

@@ -33,7 +33,7 @@ from pathlib import Path
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as _HFTokenizer
 
-from k3.files import write_text
+from k3.files import DATA_LIMIT, read_text, write_text
 from k3.tokenization.base import Vocabulary
 
 __all__ = [
@@ -258,10 +258,10 @@ class Tokenizer(Vocabulary):
         p = Path(directory)
         path = p if p.is_file() else p / TOKENIZER_FILE
         try:
-            text = path.read_text(encoding="utf-8")
+            text = read_text(path, DATA_LIMIT)
         except FileNotFoundError as exc:
             raise ValueError(f"tokenizer file not found: {path}") from exc
-        except (OSError, UnicodeDecodeError) as exc:
+        except OSError as exc:
             raise ValueError(f"cannot read tokenizer file {path}: {exc}") from exc
         return cls.from_json(text, source=str(path))
 

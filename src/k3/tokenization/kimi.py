@@ -24,7 +24,7 @@ from typing import Any
 
 import tiktoken
 
-from k3.files import write_bytes, write_text
+from k3.files import DATA_LIMIT, read_bytes, write_bytes, write_text
 from k3.tokenization.base import Vocabulary
 
 __all__ = ["CONFIG_FILE", "MODEL_FILE", "NUM_RESERVED", "PAT_STR", "KimiTokenizer"]
@@ -232,7 +232,7 @@ class KimiTokenizer(Vocabulary):
 
 def _read(path: Path) -> bytes:
     try:
-        return path.read_bytes()
+        return read_bytes(path, DATA_LIMIT)
     except FileNotFoundError as exc:
         raise ValueError(f"tokenizer file not found: {path}") from exc
     except OSError as exc:

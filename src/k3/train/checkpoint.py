@@ -31,10 +31,11 @@ from safetensors.torch import load_file, save_file
 from k3.config import K3Config
 from k3.files import atomic_write, write_text
 from k3.model import checkpoint as model_checkpoint
-from k3.model.checkpoint import LATEST, MODEL_FILES, atomic_directory, checkpoints, verified, write_model
+from k3.model.checkpoint import (LATEST, LEGACY_STATE, MODEL_FILES, atomic_directory, checkpoints, read_verified,
+                                 read_verified_json, verified, write_model)
 from k3.train import state_codec
 
-STATE_TENSORS, STATE_JSON, LEGACY_STATE = "state.safetensors", "state.json", "state.pt"
+STATE_TENSORS, STATE_JSON = "state.safetensors", "state.json"
 STATE_FORMAT, STATE_VERSION = "k3-train-state", 1
 
 
@@ -113,11 +114,10 @@ def latest_checkpoint(out: Path) -> Path | None:
 
 
 def read_train(ckpt: Path) -> dict[str, Any]:
-    path = verified(ckpt, "train.json")
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as err:
-        raise ValueError(f"{path}: cannot read the training config ({err})") from err
+    data = read_verified_json(ckpt, "train.json")
+    if not isinstance(data, dict):
+        raise ValueError(f"{ckpt / 'train.json'}: cannot read the training config (a JSON object expected)")
+    return data
 
 
 def check_resumable(ckpt: Path, config: dict[str, Any], may_change: Sequence[str]) -> None:
@@ -137,13 +137,13 @@ def load_state(ckpt: Path) -> dict[str, Any]:
 
 
 def _load_state(ckpt: Path) -> dict[str, Any]:
-    path, tensor_path = verified(ckpt, STATE_JSON), verified(ckpt, STATE_TENSORS)
+    path, raw, tensor_path = ckpt / STATE_JSON, read_verified(ckpt, STATE_JSON), verified(ckpt, STATE_TENSORS)
     try:
         tensors = load_file(str(tensor_path))
     except (SafetensorError, OSError) as err:
         raise ValueError(f"{tensor_path}: cannot read the training state's tensors ({err})") from err
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(raw)
         if data.get("format") != STATE_FORMAT or data.get("version") != STATE_VERSION:
             raise ValueError(f"expected format {STATE_FORMAT!r} version {STATE_VERSION}")
         return state_codec.decode(data["state"], tensors)

@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from k3.files import open_regular
+
 __all__ = [
     "Document",
     "STDLIB_EXCLUDED_DIRS",
@@ -209,6 +211,7 @@ def _read_parquet(path: Path, prefix: str) -> list[Document]:
 
 
 def _read_file(path: Path, name: str) -> list[Document]:
+    open_regular(path).close()  # a FIFO or a device (a link to /dev/zero) is refused, not read forever
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
         return _read_jsonl(path, name)

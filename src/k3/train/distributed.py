@@ -32,17 +32,29 @@ from k3.dist.layout import ParallelLayout
 from k3.dist.mesh import World
 from k3.train import sharded
 from k3.train.driver import drive
-from k3.train.pretrain import PANELS, Run, TrainConfig, train
+from k3.train.pretrain import DEFAULT_TOKENS_PER_RANK, PANELS, Run, TrainConfig, tokens_per_step_for, train
 
 
 def check_layout(config: TrainConfig, layout: ParallelLayout) -> ParallelLayout:
-    """The layout against the run before any process exists: ``ep`` against the experts, every curriculum stage's
-    batch rows against the data ranks, its sequence length against ``cp``. Errors name the flag."""
+    """The layout against the run (``config`` `TrainConfig.resolved` for it) before any process exists: ``ep``
+    against the experts, every curriculum stage's batch rows against the data ranks, its sequence length against
+    ``cp``. Errors name the flag, and for a step that does not split the value that would."""
     if layout.distributed and config.multimodal:
         raise ValueError("--multimodal is not supported with more than one process yet")
+    config = config.resolved(layout.data_ranks).validate()
     lengths = [int(length) for _, length in config.curriculum]
-    rows = [config.tokens_per_step // (length * config.grad_accum) for length in lengths]
-    return layout.validate(config.model_config(), batch_rows=rows, seq_lens=lengths)
+    layout.validate(config.model_config(), seq_lens=lengths)
+    for length in lengths:
+        rows = config.tokens_per_step // (length * config.grad_accum)
+        if rows % layout.data_ranks:
+            fits = tokens_per_step_for(config.curriculum, config.grad_accum, layout.data_ranks,
+                                       config.tokens_per_step)
+            raise ValueError(f"--tokens-per-step {config.tokens_per_step} (with --grad-accum {config.grad_accum}) "
+                             f"gives the {length}-token curriculum stage {rows} sequence(s) per micro-batch, which "
+                             f"do not split over the {layout.data_ranks} data-parallel ranks (--dp-replicate × "
+                             f"--dp-shard × --ep): give --tokens-per-step {fits}, or leave it out for the default "
+                             f"({DEFAULT_TOKENS_PER_RANK} tokens per data rank, rounded to split)")
+    return layout
 
 
 class DistributedRun(Run):
@@ -53,7 +65,8 @@ class DistributedRun(Run):
         feasible), 0: plain expert parallelism."""
         check_layout(config, world.layout)
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world.layout.world))
-        config = dataclasses.replace(config, progress=config.progress and world.rank == 0,
+        config = dataclasses.replace(config.resolved(world.layout.data_ranks),
+                                     progress=config.progress and world.rank == 0,
                                      threads=config.threads or threads_per_rank(local_world))
         super().__init__(config)
         self.world, self.device = world, world.device

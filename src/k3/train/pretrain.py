@@ -63,6 +63,18 @@ PAPER_BASE = 8192
 #: context of both the tiny (4096) and small (8192) presets and divides the default tokens_per_step.
 DEFAULT_BASE = 32
 
+#: The default batch: tokens per step for each data-parallel rank (`TrainConfig.tokens_per_step` None), as
+#: torchtitan's per-rank batch — the step grows with the data ranks, so a default run works on any layout.
+DEFAULT_TOKENS_PER_RANK = 4096
+
+
+def tokens_per_step_for(curriculum: list[list[float]], grad_accum: int, data_ranks: int, at_least: int) -> int:
+    """The smallest step of at least ``at_least`` tokens that every stage of ``curriculum`` cuts into whole
+    sequences, ``grad_accum`` micro-batches of them, each split evenly over ``data_ranks`` (a multiple of
+    lcm(lengths) × grad_accum × data_ranks)."""
+    unit = math.lcm(*(int(length) for _, length in curriculum)) * grad_accum * data_ranks
+    return unit * max(1, math.ceil(at_least / unit))
+
 
 def paper_curriculum(base: int = PAPER_BASE) -> list[list[float]]:
     """`PAPER_CURRICULUM` with first length ``base``: stages ``[fraction, base·ratio]``, lengths ``base ×
@@ -76,12 +88,13 @@ def paper_curriculum(base: int = PAPER_BASE) -> list[list[float]]:
 class TrainConfig:
     """A training run. ``curriculum`` is the explicit list of ``[fraction of the steps where a stage
     starts, sequence length]`` (SPEC §7; by default `paper_curriculum` scaled to `DEFAULT_BASE`); each
-    step sees ``tokens_per_step`` tokens at any length."""
+    step sees ``tokens_per_step`` tokens at any length (None: `DEFAULT_TOKENS_PER_RANK` per data rank, see
+    `resolved`)."""
 
     out: str = "runs/k3"
     preset: str = "small"
     steps: int = 1000
-    tokens_per_step: int = 4096
+    tokens_per_step: int | None = None
     grad_accum: int = 1
     curriculum: list[list[float]] = field(default_factory=lambda: paper_curriculum(DEFAULT_BASE))
     clip_grad: float = 1.0
@@ -138,7 +151,25 @@ class TrainConfig:
         except ValueError as err:
             raise ValueError(f"train.model: {err}") from err
 
+    def resolved(self, data_ranks: int = 1) -> TrainConfig:
+        """This config with ``tokens_per_step`` chosen if it is None: `DEFAULT_TOKENS_PER_RANK` per data rank,
+        rounded up so that every curriculum stage's sequences split evenly over ``data_ranks`` (`tokens_per_step_for`).
+        A value given is never changed (`validate` and `k3.train.distributed.check_layout` explain what is wrong)."""
+        if self.tokens_per_step is not None:
+            return self
+        try:
+            chosen = tokens_per_step_for(self.curriculum, self.grad_accum, data_ranks,
+                                         DEFAULT_TOKENS_PER_RANK * data_ranks)
+        except (TypeError, ValueError, ArithmeticError):  # a malformed curriculum or grad_accum: `validate` names it
+            chosen = DEFAULT_TOKENS_PER_RANK * data_ranks
+        return dataclasses.replace(self, tokens_per_step=chosen)
+
     def validate(self) -> TrainConfig:
+        """Every field against its accepted range (a ValueError naming it); ``tokens_per_step`` None as `resolved`
+        makes it for one process."""
+        if self.tokens_per_step is None:
+            self.resolved().validate()
+            return self
         check_counts(self, "train", ("steps", "tokens_per_step", "grad_accum", "eval_every", "ckpt_every", "log_every",
                                      "eval_batches", "eval_seq_len", "multimodal_batch"))
         model = self.model_config()
@@ -194,7 +225,7 @@ class Run(Stage):
     """One training run: model, data, optimisers, balancer, logging; `step()` advances one optimiser step."""
 
     def __init__(self, config: TrainConfig) -> None:
-        self.config = config.validate()
+        self.config = config = config.resolved().validate()
         self.out = Path(config.out)
         self.model_config = config.model_config()
         check_fits(self.model_config, copies=TRAINING_COPIES,
