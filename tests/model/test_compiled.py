@@ -248,3 +248,34 @@ def test_compiled_decode_writes_the_caches_in_place_and_a_second_continuation_ge
         assert torch.equal(two.layers[i].latent, latent) and torch.equal(two.layers[i].latent[:, :-1],
                                                                          one.layers[i].latent)
         torch.testing.assert_close(fork.layers[i].latent, eager.layers[i].latent, atol=1e-5, rtol=1e-5)
+
+
+def test_a_batch_between_buckets_keeps_its_caches_growing_in_place(monkeypatch):
+    """Three rows run at the 4-row bucket: after the first step the padded bucket is continued as it is, so no MLA
+    cache is stacked or moved to new storage again (before: two copies of every cache per step), and each row's
+    logits stay eager's."""
+    from k3.model.sequence import mla as mla_module
+
+    model = serving.model()
+    compiled = CompiledModel(model, batches=(1, 2, 4), sizes=(4, 1), tuned=False)
+    prompts = [serving.prompts()[i][:6] for i in (3, 4, 5)]
+    states, tokens = [], []
+    for prompt in prompts:
+        logits, state = compiled(torch.tensor([prompt]), model.new_state(1))
+        states.append(state)
+        tokens.append(logits.argmax(-1, keepdim=True))
+    state, token = DecoderState.stack(states), torch.cat(tokens)
+    eager = state
+    moved = []
+    real = mla_module.Storage.holding.__func__
+    monkeypatch.setattr(mla_module.Storage, "holding", classmethod(lambda cls, *a: moved.append(1) or real(cls, *a)))
+    for step in range(4):
+        before = len(moved)
+        logits, state = compiled(token, state)
+        with torch.no_grad():
+            eager_logits, eager = model(token, state=eager)
+        assert float((logits - eager_logits[:, -1]).abs().max()) < LOGIT_TOLERANCE
+        if step:
+            assert len(moved) == before, f"step {step}: {len(moved) - before} caches moved to new storage"
+        token = logits.argmax(-1, keepdim=True)
+    assert logits.shape[0] == 3 and state.batch_size == 3

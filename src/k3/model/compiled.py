@@ -217,6 +217,9 @@ class CompiledModel:
             raise ValueError(f"sizes must hold 1 and batches be positive, got sizes={sizes}, batches={batches}")
         self.model, self.batches, self.sizes = model, tuple(sorted(batches)), tuple(sizes)
         self.decode_step, self.prefill_step = CompiledStep(model, tuned), CompiledStep(model)
+        # the last padded decode: (the rows returned, the whole bucket), so a batch that is not a bucket continues
+        # its filler rows too and its caches keep growing in place instead of being stacked anew every step
+        self._padded: tuple[DecoderState, DecoderState] | None = None
 
     @property
     def compilations(self) -> int:
@@ -241,15 +244,20 @@ class CompiledModel:
         batch, unpadded = input_ids.shape[0], state.padding is None
         extra = self.bucket(batch) - batch
         if extra:
-            first = state.select(slice(0, 1))
-            state = DecoderState.stack([state, *[first] * extra])
+            kept = self._padded
+            if kept is not None and kept[0] is state:  # the rows this returned last step: continue its whole bucket
+                state = kept[1]
+            else:
+                first = state.select(slice(0, 1))
+                state = DecoderState.stack([state, *[first] * extra])
             input_ids = torch.cat([input_ids, input_ids[:1].expand(extra, -1)])
         elif unpadded:
             state = replace(state, padding=state.row_padding())
         logits, after = self.decode_step(input_ids, state)
-        if extra:
-            logits, after = logits[:batch], after.select(slice(0, batch))
-        return logits, replace(after, padding=None) if unpadded else after
+        out = after.select(slice(0, batch)) if extra else after
+        out = replace(out, padding=None) if unpadded else out
+        self._padded = (out, after) if extra else None
+        return logits[:batch], out
 
     def prefill(self, input_ids: Tensor, state: DecoderState) -> tuple[Tensor, DecoderState]:
         """A chunk ``input_ids [B, T]`` as pieces of the bucket lengths (a 1-token piece is a decode step; a piece

@@ -59,7 +59,8 @@ class DecoderState:
     def accept(self, n: int) -> DecoderState:
         """The state after only the first ``n`` tokens of the run this state consumed (batch 1, from
         ``forward_groups(..., replay=[...])``): KDA layers replay their recorded inputs from the state before the
-        run, MLA caches are truncated, the depth sources are those of position ``n − 1``."""
+        run, MLA caches are truncated (keeping their in-place storage: `MLACache.truncate`, so this state must not be
+        continued after ``accept``), the depth sources are those of position ``n − 1``."""
         r = self.replay
         if r is None or self.batch_size != 1 or self.padding is not None:
             raise ValueError("accept: needs a batch-1, unpadded state from forward_groups(..., replay=...)")
@@ -73,8 +74,7 @@ class DecoderState:
             if record is not None:
                 layers.append(record.advance(before, n))
             else:
-                keep = before.length + n
-                layers.append(MLACache(now.latent[:, :keep], now.shared_key[:, :keep]))
+                layers.append(now.truncate(before.length + n))
         return DecoderState(layers, r.depth[:, n - 1], r.before.position + n)
 
     @property

@@ -99,6 +99,13 @@ class MLACache:
             return MLACache(torch.cat([self.latent, latent], dim=1), torch.cat([self.shared_key, shared_key], dim=1))
         return self.slots(latent.shape[1]).append(latent, shared_key)
 
+    def truncate(self, length: int) -> MLACache:
+        """The first ``length`` entries, appendable in place in this cache's storage (a rejected speculative run:
+        the positions past ``length`` are written over by the next append, so this cache must not be read after)."""
+        out = MLACache(self.latent[:, :length], self.shared_key[:, :length])
+        store = self.storage
+        return out if store is None or store.length != self.length else store.advance(out)
+
     def slots(self, tokens: int) -> MLASlots:
         """This cache's entries with room for ``tokens`` more written in place: in its own storage where it is the
         longest cache viewing it and the storage has room, else in new storage."""

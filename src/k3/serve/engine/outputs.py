@@ -43,9 +43,12 @@ class Outputs:
             done = request.prefilled == len(request.prompt) and request.params.max_tokens == 0
             return [self.finish(request, "length")] if done else []
         outputs: list[Output] = []
+        # a verified run advanced the state past all its tokens: token i was sampled where plain decoding's state
+        # stood, ``first + i`` positions in (the context limit is checked there, not at the run's end)
+        first = request.state.position - len(sampled.tokens) + 1
         try:
-            for token, logprobs in zip(sampled.tokens, sampled.logprobs):
-                outputs.append(self._token(request, token, logprobs))
+            for i, (token, logprobs) in enumerate(zip(sampled.tokens, sampled.logprobs)):
+                outputs.append(self._token(request, token, logprobs, first + i))
                 if outputs[-1].finish_reason is not None:
                     break
         except Exception as err:
@@ -64,7 +67,8 @@ class Outputs:
         output.invalid = isinstance(error, GrammarError)
         return output
 
-    def _token(self, request: Request, token: int, logprobs: Tensor) -> Output:
+    def _token(self, request: Request, token: int, logprobs: Tensor, position: int) -> Output:
+        """One emitted token, sampled with ``position`` tokens consumed (the context is full at ``max_model_len``)."""
         p = request.params
         request.cumulative_logprob += float(logprobs[token])
         info = []
@@ -80,7 +84,7 @@ class Outputs:
         deltas, stopped = self._match_stops(request, deltas, stopped)
         if stopped:
             return self.finish(request, "stop", deltas, token, info)
-        if len(request.output_ids) >= p.max_tokens or request.state.position + 1 >= self.max_model_len:
+        if len(request.output_ids) >= p.max_tokens or position + 1 >= self.max_model_len:
             more, _ = self._match_stops(request, request.processor.flush(), False)
             return self.finish(request, "length", deltas + more, token, info)
         request.pending = token

@@ -68,9 +68,7 @@ class Sampler:
 
     def rows(self, requests: list[Request], logits: Tensor) -> list[Sampled]:
         """Each request's next token from its row of ``logits`` ``[B, V]``."""
-        logits = logits.float()
-        if logits.shape[-1] > self.vocab_size:  # a padded vocabulary: ids the tokenizer cannot decode
-            logits[:, self.vocab_size:] = float("-inf")
+        logits = self._allowed(logits)
         finite = torch.isfinite(logits[:, : self.vocab_size]).all(-1).tolist()
         logprobs = logits.log_softmax(-1)
         greedy = logits.argmax(-1).tolist()
@@ -85,19 +83,36 @@ class Sampler:
                 out.append(Sampled(request, error=err))
         return out
 
+    def _allowed(self, logits: Tensor) -> Tensor:
+        """``logits`` ``[N, V]`` in float32 with the ids past the tokenizer's vocabulary (a padded vocabulary: ids the
+        tokenizer cannot decode) at −inf, so they are never chosen."""
+        logits = logits.float()
+        if logits.shape[-1] > self.vocab_size:
+            logits[:, self.vocab_size:] = float("-inf")
+        return logits
+
     def verify(self, request: Request, logits: Tensor, state: DecoderState,
                draft: Draft) -> tuple[list[int], DecoderState, list[Tensor]]:
         """From the target's logits ``[γ+1, V]`` at ``[pending, d_1 … d_γ]``: the tokens to emit, the target state
         after ``pending`` and the accepted drafts, and each emitted token's raw log-probabilities."""
         params, prompt, output = request.params, request.prompt, request.output_ids
-        logits = logits.float()
-        gamma = len(draft.tokens)
-        rows = [process(logits[i], params, prompt, output + draft.tokens[:i]) for i in range(gamma + 1)]
+        logits = self._allowed(logits)
+        # a non-finite row j is reached only when d_1 … d_j are all accepted (plain sampling would then raise there
+        # too): verify those drafts with a stand-in for row j, and fail only if the run reaches it
+        finite = torch.isfinite(logits[:, : self.vocab_size]).all(-1).tolist()
+        bad = finite.index(False) if False in finite else None
+        drafted = draft.tokens if bad is None else draft.tokens[:bad]
+        if bad is not None:
+            logits = logits[:bad + 1].clone()
+            logits[bad, : self.vocab_size] = 0.0
+        rows = [process(logits[i], params, prompt, output + drafted[:i]) for i in range(len(drafted) + 1)]
         if params.temperature == 0:
-            n, token = verify_greedy([int(r.argmax()) for r in rows], draft.tokens)
+            n, token = verify_greedy([int(r.argmax()) for r in rows], drafted)
         else:
-            n, token = verify(torch.stack([probabilities(r, params) for r in rows]), draft.q, draft.tokens,
-                              request.generator)
+            n, token = verify(torch.stack([probabilities(r, params) for r in rows]), draft.q[:len(drafted)],
+                              drafted, request.generator)
+        if n == bad:
+            raise FloatingPointError("the model produced non-finite logits for this request")
         raw = logits.log_softmax(-1)
         return draft.tokens[:n] + [token], state.accept(n + 1), [raw[i] for i in range(n + 1)]
 
