@@ -14,7 +14,7 @@ from typing import Any, Protocol
 from k3.chat import native, xtml
 from k3.chat.messages import Media
 
-__all__ = ["ChatFormat", "Parser", "chat_format"]
+__all__ = ["ChatFormat", "Parser", "chat_format", "shared_head"]
 
 
 class Parser(Protocol):
@@ -51,3 +51,18 @@ class ChatFormat(Protocol):
 def chat_format(tokenizer: Any) -> ChatFormat:
     """`k3.chat.xtml` for a tokenizer with ``chat_format == "xtml"``, else `k3.chat.native`."""
     return xtml if getattr(tokenizer, "chat_format", None) == "xtml" else native
+
+
+def shared_head(fmt: ChatFormat, messages: Sequence[dict], prompt: list[int], tokenizer: Any, mode: str,
+                tools: list[dict] | None = None) -> int:
+    """How many tokens of ``prompt`` (``messages`` rendered by ``fmt``) render its leading system messages: the head
+    that conversations share, worth a prefix-cache checkpoint (issue 36). 0 when there is none, or when the head
+    rendered alone is not a prefix of ``prompt``."""
+    k = next((i for i, m in enumerate(messages) if not isinstance(m, dict) or m.get("role") != "system"), 0)
+    if k == 0:
+        return 0
+    try:
+        head = fmt.render(messages[:k], tokenizer, mode, tools, add_generation_prompt=False)
+    except ValueError:
+        return 0
+    return len(head) if prompt[:len(head)] == head else 0

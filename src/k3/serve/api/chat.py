@@ -24,7 +24,7 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from k3.serve.engine import Output
-from k3.chat import chat_format
+from k3.chat import chat_format, shared_head
 from k3.chat.messages import parse_json
 from k3.serve.api.serving import Reply, Route, json_response, logprob_entries, offload
 from k3.serve.api.jobs import Jobs, error_of
@@ -57,6 +57,8 @@ class ChatCompletions(Route):
                 prompt = await run_in_threadpool(lambda: fmt.render(body.messages, self.tokenizer, mode, body.tools,
                                                                     tool_choice=tool_choice,
                                                                     response_format=response_format, **media))
+            head = 0 if images is not None and images.inputs else await run_in_threadpool(
+                shared_head, fmt, body.messages, prompt, self.tokenizer, mode, body.tools)
         except ValueError as err:
             raise APIError(400, str(err), param="messages") from err
         rendered, prompt = len(prompt), body.truncate(prompt)
@@ -71,7 +73,7 @@ class ChatCompletions(Route):
         try:  # the engine checks that the prompt holds the images' slots
             run = s.submit([(prompt, params, fmt.AssistantParser(self.tokenizer, mode)) for params in body.sampling(
                 max_tokens, stop_ids, top, self.tokenizer.vocab_size, constraint)],
-                images=images.inputs if images is not None and images.inputs else None)
+                images=images.inputs if images is not None and images.inputs else None, marks=(head,) if head else ())
         except APIError as err:
             if err.param != "prompt" or len(prompt) == rendered:
                 raise

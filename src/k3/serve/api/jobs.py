@@ -23,7 +23,7 @@ class Jobs:
 
     def __init__(self, engine: Engine, jobs: list[tuple[list[int], SamplingParams, Processor | None]],
                  group: str, timeout: float | None, timer: Timer | None = None,
-                 images: list[VisualInput] | None = None) -> None:
+                 images: list[VisualInput] | None = None, marks: tuple[int, ...] = ()) -> None:
         self.engine = engine
         self.queue: asyncio.Queue[tuple[int, Output]] = asyncio.Queue()
         self.deadline = None if timeout is None else time.monotonic() + timeout
@@ -40,7 +40,7 @@ class Jobs:
         try:
             self.ids = engine.add_requests([(prompt, params, processor, callback(i))
                                             for i, (prompt, params, processor) in enumerate(jobs)], group=group,
-                                           images=images)
+                                           images=images, marks=marks)
         except QueueFull as err:
             raise APIError(429, str(err), type="rate_limit_error", code="queue_full",
                            headers={"Retry-After": str(err.retry_after)}) from err

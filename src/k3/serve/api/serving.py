@@ -137,11 +137,11 @@ class Serving:
         return factory
 
     def submit(self, jobs: list[tuple[list[int], SamplingParams, Processor | None]],
-               images: list[VisualInput] | None = None) -> Jobs:
+               images: list[VisualInput] | None = None, marks: tuple[int, ...] = ()) -> Jobs:
         """Queue the request's jobs as one group, with the server's request timeout; ``images`` fill the prompt's
-        media placeholders."""
+        media placeholders, ``marks`` are prompt positions worth a prefix-cache checkpoint."""
         return Jobs(self.engine, jobs, group=uuid.uuid4().hex, timeout=self.limits.request_timeout,
-                    timer=self.metrics.timer(), images=images)
+                    timer=self.metrics.timer(), images=images, marks=marks)
 
     def image_parts(self) -> ImageParts | None:
         """A collector for a request's ``image_url`` parts, if the model has a vision encoder."""

@@ -14,6 +14,13 @@ budget and one LRU order:
   recurrent state and ShortConv window, and the AttnRes depth sources of the last position. Restoring a hybrid
   model at a boundary needs one; a boundary without one cannot be resumed however many pages match.
 
+Where checkpoints are written (`cuts`, issue 36): every ``checkpoint_every`` blocks; at the **matched frontier**
+(SGLang's branch-point rule: a request whose prompt matches pages past its last usable checkpoint cuts its prefill
+there, so the next request sharing that prefix resumes at it — no floor of ``checkpoint_every`` blocks); and at
+positions the caller marks (a rendered chat's shared head, the K3 report's turn-boundary rule). A prompt's pages are
+written when its prefill ends, and a finished request's generated tokens too (`insert` with the state at the last
+block boundary it passed), so a conversation's next turn prefills only its new message.
+
 `lookup` finds the longest run of matching pages, then the longest boundary within it that has a checkpoint
 (SPEC §8's 2,800-token hit that resumes at 2,560), and builds the request's private `DecoderState`: pages are
 concatenated into new MLA caches and checkpoint tensors are shared read-only (the model never writes into a
@@ -65,11 +72,14 @@ class _Entry:
 
 @dataclass
 class Hit:
-    """A restored prefix: the request resumes at ``length`` tokens with ``state``; ``keys`` are pinned."""
+    """A lookup that matched pages: the request resumes at ``length`` tokens with ``state`` (0 and None when no
+    matched boundary has a checkpoint); ``keys`` are pinned, the last the checkpoint's; ``frontier`` is where the
+    matched pages end (the next checkpoint worth writing)."""
 
     length: int
-    state: DecoderState
+    state: DecoderState | None
     keys: list[tuple[str, bytes]] = field(default_factory=list)
+    frontier: int = 0
 
 
 def _nbytes(tensors: tuple[Tensor, ...]) -> int:
@@ -115,12 +125,35 @@ class PrefixCache:
             out.append(parent)
         return out
 
-    def boundaries(self, prompt_tokens: int) -> list[int]:
-        """Where a prompt's prefill is cut and checkpointed: every ``checkpoint_every`` blocks, and the last block
-        boundary before the prompt's last token (a resumed request must still compute that token's logits)."""
+    def cuts(self, prompt_tokens: int, frontier: int = 0, marks: list[int] | tuple[int, ...] = (),
+             max_tokens: int = 0) -> list[int]:
+        """Where a prompt's prefill is cut and checkpointed (module docstring): every ``checkpoint_every`` blocks, the
+        matched ``frontier``, the block boundary at or before each of ``marks``, and the prompt's last block boundary
+        when decoding ``max_tokens`` cannot pass another one (the request's last chance to leave a checkpoint near its
+        end) — all before the prompt's last token (a resumed request must still compute that token's logits)."""
         last = (prompt_tokens - 1) // self.block * self.block
         every = self.block * self.checkpoint_every
-        return sorted({b for b in range(every, last + 1, every)} | ({last} if last > 0 else set()))
+        due = {*range(every, last + 1, every), frontier, *(m // self.block * self.block for m in marks)}
+        if prompt_tokens % self.block and last + self.block > prompt_tokens + max_tokens - 1:
+            due.add(last)
+        return sorted(c for c in due if 0 < c <= last)
+
+    def sizes(self) -> dict[str, float]:
+        """Bytes per cached token: of an MLA page, of a KDA checkpoint spread over the ``checkpoint_every`` blocks it
+        serves, both together, and of a pure-MLA model of the same depth (every layer paged); with the size of one
+        checkpoint. Measured on the entries held (empty until a page and a checkpoint exist)."""
+        with self._lock:
+            page = next((e.nbytes for k, e in self._entries.items() if k[0] == "page"), None)
+            checkpoint = next((e.nbytes for k, e in self._entries.items() if k[0] == "checkpoint"), None)
+        if page is None or checkpoint is None:
+            return {}
+        per_token = page / (self.block * self.page_blocks)
+        spread = checkpoint / (self.block * self.checkpoint_every)
+        mla = self.kinds.count("mla")
+        return {"mla_page_bytes_per_token": per_token, "kda_checkpoint_bytes": checkpoint,
+                "kda_checkpoint_bytes_per_token_at_default_spacing": spread,
+                "hybrid_bytes_per_token": per_token + spread,
+                "pure_mla_bytes_per_token": per_token * len(self.kinds) / mla if mla else float("nan")}
 
     @property
     def bytes_used(self) -> int:
@@ -136,7 +169,8 @@ class PrefixCache:
 
     # ------------------------------------------------------------------ lookup
     def lookup(self, tokens: list[int], salt: str | None = None) -> Hit | None:
-        """The longest reusable prefix of ``tokens`` (at most ``len(tokens) - 1`` tokens), pinned; None on a miss."""
+        """The longest reusable prefix of ``tokens`` (at most ``len(tokens) - 1`` tokens), pinned; None when no page
+        matches."""
         keys = self.hashes(tokens[:-1], salt)
         with self._lock:
             self.stats.lookups += 1
@@ -146,7 +180,7 @@ class PrefixCache:
                 matched += 1
             blocks = next((j for j in range(matched, 0, -1) if ("checkpoint", keys[j - 1]) in self._entries), 0)
             if blocks == 0:
-                return None
+                return Hit(0, None, frontier=matched * self.block) if matched else None
             places = [self._blocks[k] for k in keys[:blocks]]
             hit_keys = list(dict.fromkeys(page for page, _ in places)) + [("checkpoint", keys[blocks - 1])]
             for key in reversed(hit_keys):  # the chain's first page ends most recently used
@@ -155,7 +189,7 @@ class PrefixCache:
             state = self._restore(places, self._entries[("checkpoint", keys[blocks - 1])], blocks * self.block)
             self.stats.hits += 1
             self.stats.tokens_reused += blocks * self.block
-        return Hit(blocks * self.block, state, hit_keys)
+        return Hit(blocks * self.block, state, hit_keys, matched * self.block)
 
     def _restore(self, places: list[tuple[tuple[str, bytes], int]], checkpoint: _Entry, length: int) -> DecoderState:
         kda = iter(zip(checkpoint.tensors[1::2], checkpoint.tensors[2::2]))  # (conv, recurrent) per KDA layer
@@ -183,13 +217,18 @@ class PrefixCache:
             self._evict()
 
     # ------------------------------------------------------------------ insertion
-    def insert(self, tokens: list[int], state: DecoderState, salt: str | None = None, checkpoint: bool = True) -> None:
-        """Store the prefix ``tokens`` (a whole number of blocks) of a batch-1 ``state`` consumed exactly them: the
-        MLA pages of its blocks not cached yet, and (unless ``checkpoint`` is False) a KDA checkpoint at its end."""
-        if len(tokens) % self.block or state.position != len(tokens) or state.batch_size != 1:
-            raise ValueError(f"prefix cache: insert needs a batch-1 state at a block boundary, got {len(tokens)} "
-                             f"tokens, position {state.position}, batch {state.batch_size}")
+    def insert(self, tokens: list[int], state: DecoderState, salt: str | None = None,
+               checkpoint: bool = True) -> bytes | None:
+        """Store the prefix ``tokens`` (a whole number of blocks) of a batch-1 ``state`` that consumed them (and maybe
+        more): the MLA pages of its blocks not cached yet, and unless ``checkpoint`` is False a KDA checkpoint at their
+        end (``state`` must then stand exactly there). Returns the checkpoint's key (None without one)."""
+        if len(tokens) % self.block or state.position < len(tokens) or state.batch_size != 1 or \
+                checkpoint and state.position != len(tokens):
+            raise ValueError(f"prefix cache: insert needs a batch-1 state at (or, for pages only, past) a block "
+                             f"boundary, got {len(tokens)} tokens, position {state.position}, batch {state.batch_size}")
         keys = self.hashes(tokens, salt)
+        if not keys:
+            return None
         mla = [s for s in state.layers if isinstance(s, MLACache)]
         with self._lock:
             touched: list[tuple[str, bytes]] = []
@@ -203,6 +242,7 @@ class PrefixCache:
                 self._add(("checkpoint", keys[-1]), self._checkpoint(state))
                 self.stats.checkpoints_added += 1
             self._evict()
+        return keys[-1] if checkpoint else None
 
     def _write_block(self, keys: list[bytes], i: int, mla: list[MLACache]) -> None:
         """Write block ``i`` into its chain's page for this page range: the previous block's page when that page

@@ -141,9 +141,10 @@ class Engine:
                                  request_ids=None if request_id is None else [request_id], images=images)[0]
 
     def add_requests(self, jobs: list[Job], *, group: str | None = None, request_ids: list[str] | None = None,
-                     images: list[VisualInput] | None = None) -> list[str]:
+                     images: list[VisualInput] | None = None, marks: tuple[int, ...] = ()) -> list[str]:
         """Queue several requests of one group atomically: all are validated first, and either all are
-        queued or none (ValueError naming the problem, `QueueFull`). ``images`` belong to every job's prompt."""
+        queued or none (ValueError naming the problem, `QueueFull`). ``images`` belong to every job's prompt;
+        ``marks`` are prompt positions worth a prefix-cache checkpoint (a rendered chat's shared head)."""
         requests = []
         key = image_digest(images) if images else None
         for i, (prompt, params, processor, callback) in enumerate(jobs):
@@ -153,6 +154,7 @@ class Engine:
             if images:
                 check_prompt(self.model, prompt, images)
                 request.images, request.image_key = images, key
+            request.marks = tuple(marks)
             requests.append(request)
         with self._wake:
             self.scheduler.add(requests)
@@ -222,7 +224,9 @@ class Engine:
         request = sampled.request
         try:
             if sampled.state is not None:
-                self.scheduler.update(request, sampled.state, sampled.read)
+                checkpoint = self.scheduler.update(request, sampled.state, sampled.read)
+                if checkpoint is not None:
+                    self.speculator.checkpointed(request, checkpoint)
             if sampled.verified is not None:
                 self.speculator.verified(request, sampled.verified[0], sampled.verified[1], sampled.tokens,
                                          sampled.verified[2])
@@ -239,7 +243,7 @@ class Engine:
 
     def _end(self, request: Request, output: Output) -> None:
         """The request ended with ``output`` (its finish reason): free what it held, then report it."""
-        self.scheduler.finish(request)
+        self.scheduler.finish(request, completed=output.finish_reason in ("stop", "length"))
         self.runner.forget(request)
         self.speculator.end(request)
         self.finished[output.finish_reason] += 1

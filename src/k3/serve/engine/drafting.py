@@ -18,8 +18,8 @@ drafts in a step, and what the drafter is told of the target's features and of e
 
 from __future__ import annotations
 
-from collections import Counter
-from dataclasses import dataclass
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
@@ -61,6 +61,12 @@ class Drafter(Protocol):
 
     def end(self, request_id: str) -> None:
         """The request finished or was aborted."""
+
+    def save(self, request_id: str, key: bytes) -> None:
+        """The request's prompt so far was checkpointed in the prefix cache under ``key``."""
+
+    def restore(self, request_id: str, key: bytes) -> None:
+        """The request resumes from the prefix-cache checkpoint ``key`` (before it reads anything)."""
 
 
 class ModelDrafter:
@@ -108,6 +114,12 @@ class ModelDrafter:
         self._states.pop(request_id, None)
         self._proposed.pop(request_id, None)
 
+    def save(self, request_id: str, key: bytes) -> None:
+        """Nothing to keep: the draft reads a request's whole history at its first proposal."""
+
+    def restore(self, request_id: str, key: bytes) -> None:
+        """Nothing to restore (`save`)."""
+
 
 @dataclass
 class _Sequence:
@@ -118,12 +130,19 @@ class _Sequence:
 class EagleDrafter:
     """Drafts with an EAGLE-3 draft (`k3.model.draft.EagleDraft`) from the target's own features: every position
     the target consumes is paired with the next token and read by the draft with its *true* fused feature, so
-    after a verification the draft continues exactly from the accepted prefix."""
+    after a verification the draft continues exactly from the accepted prefix.
 
-    def __init__(self, draft: EagleDraft) -> None:
+    The target skips the positions a prefix-cache hit restores, so their features never reach the draft: the draft's
+    own state is kept beside each checkpoint the cache writes (`save`, the last ``max_saved``) and restored with it
+    (vLLM caches the draft's KV blocks beside the target's). A hit whose draft state was dropped starts the draft
+    from the positions the target reads (drafts stay verified: only acceptance suffers)."""
+
+    def __init__(self, draft: EagleDraft, max_saved: int = 256) -> None:
         self.draft = draft.eval()
         self.feature_layers = draft.config.feature_layers
+        self.max_saved = max_saved
         self._sequences: dict[str, _Sequence] = {}
+        self._saved: OrderedDict[bytes, _Sequence] = OrderedDict()  # by prefix-cache checkpoint key, LRU first
 
     @torch.inference_mode()
     def observe(self, request_id: str, tokens: list[int], features: Tensor | None) -> None:
@@ -148,6 +167,21 @@ class EagleDrafter:
 
     def end(self, request_id: str) -> None:
         self._sequences.pop(request_id, None)
+
+    def save(self, request_id: str, key: bytes) -> None:
+        """Keep the draft's state for the checkpoint ``key`` (its states are values: later reads never change it)."""
+        seq = self._sequences.get(request_id)
+        if seq is not None:
+            self._saved[key] = replace(seq)
+            self._saved.move_to_end(key)
+            while len(self._saved) > self.max_saved:
+                self._saved.popitem(last=False)
+
+    def restore(self, request_id: str, key: bytes) -> None:
+        seq = self._saved.get(key)
+        if seq is not None and request_id not in self._sequences:
+            self._saved.move_to_end(key)
+            self._sequences[request_id] = replace(seq)
 
 
 class Speculator:
@@ -175,9 +209,17 @@ class Speculator:
         return out
 
     def observe(self, request: Request, tokens: list[int], features: Tensor | None) -> None:
-        """The target consumed ``tokens`` of ``request`` with ``features`` (for a drafter that reads them)."""
+        """The target consumed ``tokens`` of ``request`` with ``features`` (for a drafter that reads them); the first
+        piece after a prefix-cache hit restores the drafter's state of that checkpoint first."""
         if features is not None:
+            if request.resumed is not None and request.prefilled == request.cached:
+                self.drafter.restore(request.id, request.resumed)
             self.drafter.observe(request.id, tokens, features)
+
+    def checkpointed(self, request: Request, key: bytes) -> None:
+        """The prefix cache checkpointed ``request``'s prompt so far under ``key``."""
+        if self.drafter is not None:
+            self.drafter.save(request.id, key)
 
     def verified(self, request: Request, pending: int, drafted: int, kept: list[int], features: Tensor | None) -> None:
         """The target kept ``pending`` and the accepted drafts of a run of ``drafted`` (``kept``: the emitted tokens,

@@ -3,11 +3,14 @@
 Waiting requests are kept per *group* (the choices of one HTTP request) and groups take turns for free batch slots
 (up to ``max_batch`` running), so one request's fan-out cannot starve a later short one; the waiting queue is
 bounded (`QueueFull`). An admitted request starts from an empty state, or from the longest cached prefix of its
-prompt (`PrefixCache`; not when it wants prompt log-probabilities, which need every position's logits).
+prompt (`PrefixCache`; not when it wants prompt log-probabilities, which need every position's logits). The cache
+learns from every request (issue 36): checkpoints at its cuts, its prompt's pages when the prefill ends, and when it
+finishes (stop or length) the pages of what it generated with a checkpoint at the last block boundary its decoding
+passed, so a conversation's next turn resumes after this answer.
 
 `schedule` returns a `StepPlan`: every request with a sampled token pending decodes, and the prefilling requests
 read pieces of at most ``prefill_chunk`` prompt tokens in all, in arrival order (``idle_prefill`` when nothing
-decodes: there is no latency to protect), each piece cut at the prefix cache's checkpoint boundaries. A long prompt
+decodes: there is no latency to protect), each piece cut at the prefix cache's cuts. A long prompt
 thus advances a piece per step and never stalls the others. `update` records what a pass computed: states,
 prefill progress, and the cache checkpoints reached.
 """
@@ -97,11 +100,14 @@ class Scheduler:
                 return request
         return None
 
-    def finish(self, request: Request) -> None:
-        """The request ended: it leaves the batch, its state is freed and its cache pins released."""
+    def finish(self, request: Request, completed: bool = False) -> None:
+        """The request ended: it leaves the batch, its state is freed and its cache pins released. A ``completed``
+        request (stop or length) first gives the prefix cache what it generated (module docstring)."""
         if self.running.get(request.id) is request:
             del self.running[request.id]
-        request.state = None
+        if completed and self.prefix_cache is not None and request.state is not None and request.prompt_done:
+            self._keep_output(request)
+        request.state = request.boundary = None
         if request.pins:
             self.prefix_cache.release(request.pins)
             request.pins = []
@@ -114,12 +120,38 @@ class Scheduler:
         decoding = [r for r in self.running.values() if r.pending is not None]
         return StepPlan(self._pieces(bool(decoding)), decoding)
 
-    def update(self, request: Request, state: DecoderState, read: int = 0) -> None:
-        """``request`` continues from ``state`` after a pass that read ``read`` more prompt tokens; a checkpoint
-        boundary just reached goes into the prefix cache."""
+    def update(self, request: Request, state: DecoderState, read: int = 0) -> bytes | None:
+        """``request`` continues from ``state`` after a pass that read ``read`` more prompt tokens. A cut just
+        reached is checkpointed in the prefix cache (its key is returned), a prompt just read gives its pages, and a
+        decode landing on a block boundary is remembered for `finish`."""
         request.state, request.prefilled = state, request.prefilled + read
-        if read and self.prefix_cache is not None and request.prefilled in request.cuts:
-            self.prefix_cache.insert(request.prompt[:request.prefilled], request.state, request.salt)
+        cache = self.prefix_cache
+        if cache is None:
+            return None
+        if not read:
+            if state.position % cache.block == 0 and state.position > len(request.prompt):
+                request.boundary = state
+            return None
+        key = None
+        if request.prefilled in request.cuts:
+            key = cache.insert(request.prompt[:request.prefilled], state, request.salt)
+        if request.prompt_done:
+            whole = len(request.prompt) // cache.block * cache.block
+            cache.insert(request.prompt[:whole], state, request.salt, checkpoint=whole == len(request.prompt))
+        return key
+
+    def _keep_output(self, request: Request) -> None:
+        """The pages of everything the finished ``request`` consumed, and a checkpoint at the last block boundary its
+        decoding passed."""
+        cache = self.prefix_cache
+        # a stop inside a verified run leaves the state past the emitted tokens: only those are known to be kept
+        consumed = (request.prompt + request.output_ids)[:request.state.position]
+        boundary = request.boundary if request.boundary and request.boundary.position <= len(consumed) else None
+        if boundary is not None:
+            cache.insert(consumed[:boundary.position], boundary, request.salt)
+        whole = len(consumed) // cache.block * cache.block
+        if whole > max(len(request.prompt), 0 if boundary is None else boundary.position):
+            cache.insert(consumed[:whole], request.state, request.salt, checkpoint=False)
 
     def _admit(self) -> None:
         """Fill free batch slots from the waiting groups in turn (one request per group per turn)."""
@@ -141,11 +173,13 @@ class Scheduler:
         request.state = self._new_state(1)
         if cache is None:
             return
-        request.cuts = cache.boundaries(len(request.prompt))
         hit = cache.lookup(request.prompt, request.salt) if request.prompt_logprobs is None else None
-        if hit is not None:
+        request.cuts = cache.cuts(len(request.prompt), 0 if hit is None else hit.frontier, request.marks,
+                                  request.params.max_tokens)
+        if hit is not None and hit.state is not None:
             request.state, request.prefilled, request.cached, request.pins = hit.state, hit.length, hit.length, \
                 hit.keys
+            request.resumed = hit.keys[-1][1]
 
     def _pieces(self, decoding: bool) -> list[tuple[Request, list[int]]]:
         """Up to ``prefill_chunk`` prompt tokens (``idle_prefill`` when nothing is decoding), from the
