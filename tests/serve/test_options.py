@@ -16,15 +16,18 @@ from k3.serve.engine.cache import PrefixCache
 from k3.serve.engine.drafting import EagleDrafter, ModelDrafter
 from k3.serve.options import EngineOptions
 
-#: the commands' defaults before `EngineOptions` (`k3.cli` at a5b2f96), field by field, and the grammar cache's since
+#: the commands' defaults before `EngineOptions` (`k3.cli` at a5b2f96), field by field, and the grammar cache's and
+#: adaptive drafting's (issue 36) since
 PREVIOUS_DEFAULTS = {"max_model_len": None, "max_batch": 32, "prefill_chunk": 64, "max_waiting": None, "draft": None,
-                     "num_draft_tokens": 4, "compile": False, "prefix_cache": True, "prefix_cache_gb": 1.0,
+                     "num_draft_tokens": 4, "always_draft": False, "compile": False, "prefix_cache": True,
+                     "prefix_cache_gb": 1.0,
                      "cache_block_tokens": 64, "cache_checkpoint_every": 8, "cache_page_blocks": 4, "threads": None,
                      "grammar_cache_mb": 256.0}
 FLAGS = ["--max-model-len", "512", "--max-batch", "3", "--prefill-chunk", "16", "--draft", "d", "--num-draft-tokens",
          "2", "--compile", "--prefix-cache-gb", "0.5", "--cache-block-tokens", "16", "--cache-checkpoint-every", "2",
-         "--cache-page-blocks", "2"]
+         "--cache-page-blocks", "2", "--always-draft"]
 CHOSEN = {"max_model_len": 512, "max_batch": 3, "prefill_chunk": 16, "draft": "d", "num_draft_tokens": 2,
+          "always_draft": True,
           "compile": True, "prefix_cache_gb": 0.5, "cache_block_tokens": 16, "cache_checkpoint_every": 2,
           "cache_page_blocks": 2}
 
@@ -119,3 +122,14 @@ def test_build_loads_the_draft(tmp_path):
     eagle = EagleDraft(model, DraftConfig(layer_kind="mla")).save(tmp_path / "eagle")
     assert isinstance(EngineOptions(draft=str(small)).build(model, tokenizer).drafter, ModelDrafter)
     assert isinstance(EngineOptions(draft=str(eagle)).build(model, tokenizer).drafter, EagleDrafter)
+
+
+def test_draft_ngram_needs_no_checkpoint_and_always_draft_turns_adaptation_off():
+    from k3.serve.engine.ngram import NGramDrafter
+
+    model, tokenizer = serving.model(), serving.tokenizer()
+    adaptive = EngineOptions(draft="ngram").build(model, tokenizer)
+    assert isinstance(adaptive.drafter, NGramDrafter) and adaptive.speculator.lengths is not None
+    fixed = EngineOptions.from_args(parse("serve", "--ckpt", "c", "--draft", "ngram", "--always-draft")).build(
+        model, tokenizer)
+    assert isinstance(fixed.drafter, NGramDrafter) and fixed.speculator.lengths is None

@@ -60,6 +60,7 @@ class EngineOptions:
     max_waiting: int | None = None  # --max-queue (k3 serve)
     draft: str | None = None  # --draft: an EAGLE-3 draft or a small checkpoint with the target's vocabulary
     num_draft_tokens: int = 4  # --num-draft-tokens
+    always_draft: bool = False  # --always-draft
     compile: bool = False  # --compile
     prefix_cache: bool = True  # not --no-prefix-cache
     prefix_cache_gb: float = 1.0  # --prefix-cache-gb
@@ -77,10 +78,13 @@ class EngineOptions:
         parser.add_argument("--prefill-chunk", type=int, default=cls.prefill_chunk,
                             help="prompt tokens prefilled per step while other requests decode (their latency vs "
                                  "the new prompt's time to first token)")
-        parser.add_argument("--draft", help="speculative decoding: an EAGLE-3 draft (k3 train-draft) or a small "
-                            "checkpoint with the same vocabulary")
+        parser.add_argument("--draft", help="speculative decoding: 'ngram' (prompt lookup: drafts what followed the "
+                            "latest earlier occurrence of the text's last 2-4 tokens; no model), an EAGLE-3 draft "
+                            "(k3 train-draft) or a small checkpoint with the same vocabulary")
         parser.add_argument("--num-draft-tokens", type=positive(int), default=cls.num_draft_tokens,
-                            help="tokens drafted per step with --draft (default %(default)s)")
+                            help="most tokens drafted per step with --draft (default %(default)s)")
+        parser.add_argument("--always-draft", action="store_true", help="draft --num-draft-tokens every step instead "
+                            "of as many as each request's measured acceptance pays for (down to none)")
         parser.add_argument("--compile", action="store_true", help="decode and prefill-chunk steps through "
                             "torch.compile'd graphs: decode batches padded to 1, 2, 4 … 32 rows, chunks cut into "
                             "64/16/4/1-token pieces (one compilation each: k3 serve builds them all before it "
@@ -140,14 +144,19 @@ class EngineOptions:
         queue = {} if self.max_waiting is None else {"max_waiting": self.max_waiting}
         return Engine(model, tokenizer, max_model_len=self.max_model_len, max_batch=self.max_batch,
                       prefill_chunk=self.prefill_chunk, prefix_cache=cache, drafter=self.drafter(model),
-                      num_draft_tokens=self.num_draft_tokens, compile=self.compile,
+                      num_draft_tokens=self.num_draft_tokens, adaptive_draft=not self.always_draft,
+                      compile=self.compile,
                       grammars=Grammars(tokenizer, int(self.grammar_cache_mb * 2**20)), **queue)
 
     def drafter(self, target: Any) -> Any:
-        """`--draft DIR`: an EAGLE-3 draft (`k3 train-draft`, a run or checkpoint directory) or a small kimi-k3
-        checkpoint with the target's vocabulary drafts for speculative decoding (None without ``draft``)."""
+        """`--draft`: ``ngram`` (`k3.serve.engine.ngram`), or a directory: an EAGLE-3 draft (`k3 train-draft`, a run or
+        checkpoint directory) or a small kimi-k3 checkpoint with the target's vocabulary (None without ``draft``)."""
         if self.draft is None:
             return None
+        if self.draft == "ngram":
+            from k3.serve.engine.ngram import NGramDrafter
+
+            return NGramDrafter(target.config.vocab_size, device=next(target.parameters()).device)
         from k3.model.draft import EagleDraft
         from k3.serve.engine.drafting import EagleDrafter, ModelDrafter
 

@@ -155,12 +155,13 @@ def test_an_eagle_draft_resumes_with_the_target_after_a_cache_hit(model, tok):
     torch.manual_seed(0)
     draft = EagleDraft(model, DraftConfig(layer_kind="mla"))
     on = Recording(draft)
-    with_cache = engine(model, tok, drafter=on, num_draft_tokens=3)
+    with_cache = engine(model, tok, drafter=on, num_draft_tokens=3, adaptive_draft=False)
     run(with_cache, [prompt + words(rng, 30)], max_tokens=4)  # leaves a checkpoint at 192 (prompt's last boundary)
     on.proposals.clear()
     [(tokens, cached)] = run(with_cache, [prompt + [5]], max_tokens=12)
     off = Recording(draft)
-    [(tokens_off, _)] = run(Engine(model, tok, drafter=off, num_draft_tokens=3), [prompt + [5]], max_tokens=12)
+    plain = Engine(model, tok, drafter=off, num_draft_tokens=3, adaptive_draft=False)
+    [(tokens_off, _)] = run(plain, [prompt + [5]], max_tokens=12)
     assert cached == 192 and tokens == tokens_off
     assert len(on.proposals) == len(off.proposals) > 0
     for a, b in zip(on.proposals, off.proposals, strict=True):

@@ -34,7 +34,8 @@ def test_a_run_that_reaches_the_context_limit_emits_every_token(model, tok, temp
     prompt, limit = serving.prompts()[2], 40
     params = SamplingParams(max_tokens=limit - len(prompt), temperature=temperature, seed=3)
     plain = run(Engine(model, tok, max_model_len=limit), prompt, params)
-    spec = Engine(model, tok, max_model_len=limit, drafter=ModelDrafter(serving.model()), num_draft_tokens=4)
+    spec = Engine(model, tok, max_model_len=limit, drafter=ModelDrafter(serving.model()), num_draft_tokens=4,
+                  adaptive_draft=False)
     got = run(spec, prompt, params)
     assert len(got[0]) == len(plain[0]) == limit - len(prompt) and got[1] == plain[1] == "length"
     assert got == plain or temperature > 0  # sampled runs draw their uniforms differently: equal in distribution
@@ -59,7 +60,8 @@ def test_ids_past_the_tokenizer_are_never_verified_into_the_output(tok, temperat
     target = padded_model(serving.VOCAB + 3)
     prompt, params = serving.prompts()[3], SamplingParams(max_tokens=12, temperature=temperature, seed=1)
     plain = run(Engine(target, tok), prompt, params)
-    spec = Engine(target, tok, drafter=ModelDrafter(padded_model(serving.VOCAB + 3)), num_draft_tokens=3)
+    spec = Engine(target, tok, drafter=ModelDrafter(padded_model(serving.VOCAB + 3)), num_draft_tokens=3,
+                  adaptive_draft=False)
     got = run(spec, prompt, params)
     assert (got == plain or temperature > 0) and got[1] == plain[1] == "length" and max(got[0]) < serving.VOCAB
     assert spec.speculation["drafted"] > 0

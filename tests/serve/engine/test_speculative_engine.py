@@ -85,7 +85,7 @@ def test_the_state_after_every_step_equals_sequential_decoding(model, tok, kind)
     """Zero drafts (a request near max_tokens), all rejected, all accepted plus bonus, a stop string or
     max_tokens inside an accepted run, requests joining and leaving: after every step each running request's
     state is that of sequential decoding of what it consumed."""
-    engine = Engine(model, tok, drafter=drafters()[kind](model), num_draft_tokens=4)
+    engine = Engine(model, tok, drafter=drafters()[kind](model), num_draft_tokens=4, adaptive_draft=False)
     text = "".join(t for o in Engine(model, tok).generate(PROMPTS[1], SamplingParams(max_tokens=12, temperature=0))
                    for _, t in o.deltas)
     stop = text[4:6]
@@ -130,7 +130,7 @@ def test_sampled_tokens_follow_the_target_distribution(model, tok):
             p1 = probabilities(process(logits1[0, -1].float(), params, prompt, [a]), params)
             for b in p1.nonzero().flatten().tolist():
                 joint[(a, b)] = float(p0[a] * p1[b])
-    engine = Engine(model, tok, drafter=ModelDrafter(serving.model(seed=1)), num_draft_tokens=1)
+    engine = Engine(model, tok, drafter=ModelDrafter(serving.model(seed=1)), num_draft_tokens=1, adaptive_draft=False)
     n = 1200
     counts: dict[tuple[int, int], int] = {}
     for seed in range(n):

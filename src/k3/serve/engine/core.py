@@ -65,11 +65,13 @@ class Engine:
                  max_batch: int = 32, prefill_chunk: int = 64, max_waiting: int = 1024,
                  prefix_cache: PrefixCache | None = None, drafter: Drafter | None = None,
                  num_draft_tokens: int = 4, compile: bool | CompiledModel = False,
-                 grammars: Grammars | None = None) -> None:
+                 grammars: Grammars | None = None, adaptive_draft: bool = True) -> None:
         """``compile``: decode rows and prefill chunks run through compiled graphs (`k3.model.compiled.CompiledModel`
         with its default buckets, or the one given); speculative verification, prompt logprobs, image chunks and
         drafter features stay eager. ``grammars``: the structured-output grammars and their cache (default: a
-        `Grammars` of the tokenizer with the default budgets)."""
+        `Grammars` of the tokenizer with the default budgets). ``adaptive_draft``: each request drafts as many tokens
+        as its measured acceptance pays for, down to none (`k3.serve.engine.payoff`); False: always
+        ``num_draft_tokens``."""
         if tokenizer.vocab_size > model.config.vocab_size:
             raise ValueError(f"tokenizer: {tokenizer.vocab_size} ids but the model has vocab_size "
                              f"{model.config.vocab_size}")
@@ -80,7 +82,7 @@ class Engine:
         self.drafter = drafter
         self.compiled = CompiledModel(self.model) if compile is True else compile or None
         self.scheduler = Scheduler(max_batch, prefill_chunk, max_waiting, self.model.new_state, prefix_cache)
-        self.speculator = Speculator(drafter, num_draft_tokens, self.max_model_len)
+        self.speculator = Speculator(drafter, num_draft_tokens, self.max_model_len, adaptive_draft)
         self.runner = Runner(self.model, self.speculator, self.compiled)
         self.sampler = Sampler(tokenizer.vocab_size)
         self.outputs = Outputs(self.max_model_len)

@@ -28,6 +28,7 @@ from torch import Tensor
 from k3.model.draft import DraftState, EagleDraft
 from k3.model.lm import K3ForCausalLM
 from k3.model.state import DecoderState
+from k3.serve.engine.payoff import DraftLength
 from k3.serve.engine.sampling import SamplingParams, process
 from k3.serve.engine.request import Request
 from k3.serve.engine.speculative import probabilities
@@ -48,13 +49,15 @@ class Drafter(Protocol):
     a drafter that does not read the target) are the target layers whose retrieved inputs `observe` receives."""
 
     feature_layers: tuple[int, ...] | None
+    cost: float  # a drafted position's price relative to a plain decode step (`k3.serve.engine.payoff`)
 
     def observe(self, request_id: str, tokens: list[int], features: Tensor | None) -> None:
         """The target consumed ``tokens`` (a prefill chunk, a decode token, or a verified run's kept tokens) and
         produced ``features`` ``[T, len(feature_layers), d]`` at them."""
 
     def propose(self, request_id: str, history: list[int], pending: int, params: SamplingParams, prompt: list[int],
-                output: list[int], generator: torch.Generator | None, gamma: int) -> Draft: ...
+                output: list[int], generator: torch.Generator | None, gamma: int) -> Draft | None:
+        """Up to ``gamma`` tokens after ``history`` + ``pending`` (None or no tokens: nothing to propose)."""
 
     def accept(self, request_id: str, accepted: int) -> None:
         """The target kept ``pending`` and the first ``accepted`` drafted tokens of the last proposal."""
@@ -70,9 +73,11 @@ class Drafter(Protocol):
 
 
 class ModelDrafter:
-    """Drafts with an independent small `K3ForCausalLM` sharing the target's vocabulary."""
+    """Drafts with an independent small `K3ForCausalLM` sharing the target's vocabulary (``cost``: a stated guess,
+    a draft model's step at half a target step's price)."""
 
     feature_layers = None
+    cost = 0.5
 
     def __init__(self, model: K3ForCausalLM) -> None:
         self.model = model.eval()
@@ -137,6 +142,8 @@ class EagleDrafter:
     (vLLM caches the draft's KV blocks beside the target's). A hit whose draft state was dropped starts the draft
     from the positions the target reads (drafts stay verified: only acceptance suffers)."""
 
+    cost = 0.25  # one draft layer and the LM head per drafted position, and its verified position (stated)
+
     def __init__(self, draft: EagleDraft, max_saved: int = 256) -> None:
         self.draft = draft.eval()
         self.feature_layers = draft.config.feature_layers
@@ -185,27 +192,37 @@ class EagleDrafter:
 
 
 class Speculator:
-    """The engine's side of speculation: which decoding requests draft this step and how many tokens, what the
-    target's features and verified runs tell the drafter, and the counts ``runs``, ``drafted``, ``accepted``."""
+    """The engine's side of speculation: which decoding requests draft this step and how many tokens (``adaptive``:
+    `k3.serve.engine.payoff.DraftLength` from each request's measured acceptance, else always ``num_draft_tokens``),
+    what the target's features and verified runs tell the drafter, and the counts ``runs``, ``drafted``,
+    ``accepted``, ``drafted_at_i`` / ``accepted_at_i`` (draft position i, from 1) and ``plain`` (a speculating
+    drafter's request decoding plainly: no draft found, or adaptively paused)."""
 
-    def __init__(self, drafter: Drafter | None, num_draft_tokens: int, max_model_len: int) -> None:
+    def __init__(self, drafter: Drafter | None, num_draft_tokens: int, max_model_len: int,
+                 adaptive: bool = True) -> None:
         self.drafter, self.gamma, self.max_model_len = drafter, num_draft_tokens, max_model_len
         self.feature_layers = None if drafter is None else drafter.feature_layers
+        self.lengths = DraftLength(num_draft_tokens, drafter.cost) if drafter is not None and adaptive else None
         self.counts: Counter[str] = Counter()
 
     def propose(self, requests: list[Request]) -> dict[Request, Draft]:
         """This step's drafts of the decoding ``requests`` that speculate: not under a grammar (its matcher would
-        have to roll back), and with room for a draft — no more drafts than tokens the request may still emit
-        (one is the bonus) or the context holds."""
+        have to roll back), with room for a draft — no more drafts than tokens the request may still emit (one is
+        the bonus) or the context holds — and a draft proposed (an n-gram drafter may find none)."""
         if self.drafter is None:
             return {}
         out = {}
         for r in requests:
-            length = min(self.gamma, r.params.max_tokens - len(r.output_ids) - 1,
-                         self.max_model_len - r.state.position - 2)
+            wanted = self.gamma if self.lengths is None else self.lengths.length(r.id)
+            length = min(wanted, r.params.max_tokens - len(r.output_ids) - 1, self.max_model_len - r.state.position - 2)
+            draft = None
             if length > 0 and r.params.constraint is None:
-                out[r] = self.drafter.propose(r.id, r.prompt + r.output_ids[:-1], r.pending, r.params, r.prompt,
-                                              r.output_ids, r.generator, length)
+                draft = self.drafter.propose(r.id, r.prompt + r.output_ids[:-1], r.pending, r.params, r.prompt,
+                                             r.output_ids, r.generator, length)
+            if draft is not None and draft.tokens:
+                out[r] = draft
+            else:
+                self.counts["plain"] += 1
         return out
 
     def observe(self, request: Request, tokens: list[int], features: Tensor | None) -> None:
@@ -224,11 +241,18 @@ class Speculator:
     def verified(self, request: Request, pending: int, drafted: int, kept: list[int], features: Tensor | None) -> None:
         """The target kept ``pending`` and the accepted drafts of a run of ``drafted`` (``kept``: the emitted tokens,
         the last of them the corrected or bonus token, not yet consumed)."""
-        self.drafter.accept(request.id, len(kept) - 1)
+        accepted = len(kept) - 1
+        self.drafter.accept(request.id, accepted)
         if features is not None:
             self.drafter.observe(request.id, [pending, *kept[:-1]], features[:len(kept)])
-        self.counts.update(runs=1, drafted=drafted, accepted=len(kept) - 1)
+        if self.lengths is not None:
+            self.lengths.update(request.id, drafted, accepted)
+        self.counts.update(runs=1, drafted=drafted, accepted=accepted)
+        self.counts.update({f"drafted_at_{i}": 1 for i in range(1, drafted + 1)})
+        self.counts.update({f"accepted_at_{i}": 1 for i in range(1, accepted + 1)})
 
     def end(self, request: Request) -> None:
         if self.drafter is not None:
             self.drafter.end(request.id)
+        if self.lengths is not None:
+            self.lengths.end(request.id)

@@ -1,0 +1,90 @@
+"""Prompt-lookup (n-gram) drafting for speculative decoding (SPEC §8, issue 36; vLLM's ``ngram`` method).
+
+Code edits, retrieval-augmented answers and agent turns repeat their input. `NGramDrafter` needs no model: for a
+request's tokens so far (prompt, output and the pending token) it finds the most recent earlier occurrence of the
+longest suffix of ``max_n`` down to ``min_n`` tokens and proposes the γ tokens that followed it. When the match runs
+into the suffix itself the sequence repeats with period (end − match), and the proposal continues that repetition.
+
+Its drafts are deterministic, so ``q`` is one-hot at each proposed token: the lossless rule accepts ``d_i`` with
+probability ``p_i(d_i)`` and on rejection samples ``p_i`` with ``d_i`` removed — exact for sampled requests too.
+
+Work per step is bounded: each request keeps an index of every n-gram (``min_n`` ≤ n ≤ ``max_n``) → the end of its
+latest occurrence, extended by the tokens that arrived since the last step (``max_n − min_n + 1`` dictionary writes
+per token), so a lookup is ``max_n − min_n + 1`` dictionary reads whatever the context length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from k3.serve.engine.drafting import Draft
+from k3.serve.engine.sampling import SamplingParams
+
+__all__ = ["NGramDrafter"]
+
+
+@dataclass
+class _Index:
+    """A request's n-gram index over its first ``indexed`` positions: n-gram → end of its latest occurrence."""
+
+    ends: dict[tuple[int, ...], int] = field(default_factory=dict)
+    indexed: int = 0
+
+
+class NGramDrafter:
+    """Prompt-lookup drafts for a target of ``vocab_size`` ids (module docstring). ``cost`` is the stated price of a
+    drafted position relative to a plain decode step, for the adaptive draft length (`k3.serve.engine.payoff`):
+    drafting is a few dictionary reads, so only the verified position's share of the target pass is charged."""
+
+    feature_layers = None
+    cost = 0.1
+
+    def __init__(self, vocab_size: int, max_n: int = 4, min_n: int = 2, device: torch.device | None = None) -> None:
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"ngram: need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
+        self.vocab_size, self.max_n, self.min_n, self.device = vocab_size, max_n, min_n, device
+        self._indexes: dict[str, _Index] = {}
+
+    def lookup(self, request_id: str, tokens: list[int], gamma: int) -> list[int]:
+        """Up to ``gamma`` tokens that followed the latest earlier occurrence of the longest matching suffix of
+        ``tokens`` (empty when no suffix of ``min_n`` or more tokens occurred before)."""
+        index = self._indexes.setdefault(request_id, _Index())
+        end = len(tokens)
+        for stop in range(index.indexed + 1, end):  # n-grams ending before the last position (not the suffix)
+            for n in range(self.min_n, min(self.max_n, stop) + 1):
+                index.ends[tuple(tokens[stop - n:stop])] = stop
+        index.indexed = max(index.indexed, end - 1)
+        for n in range(min(self.max_n, end - 1), self.min_n - 1, -1):
+            match = index.ends.get(tuple(tokens[end - n:]))
+            if match is not None:
+                out: list[int] = []
+                for k in range(gamma):  # past the end, the repetition of period end − match continues
+                    out.append(tokens[match + k] if match + k < end else out[match + k - end])
+                return out
+        return []
+
+    def observe(self, request_id: str, tokens: list[int], features: torch.Tensor | None) -> None:
+        """Nothing to read: `propose` is given the request's tokens."""
+
+    def propose(self, request_id: str, history: list[int], pending: int, params: SamplingParams, prompt: list[int],
+                output: list[int], generator: torch.Generator | None, gamma: int) -> Draft | None:
+        tokens = self.lookup(request_id, [*history, pending], gamma)
+        if not tokens:
+            return None
+        q = torch.zeros(len(tokens), self.vocab_size, dtype=torch.float64, device=self.device)
+        q[torch.arange(len(tokens), device=self.device), torch.tensor(tokens, device=self.device)] = 1.0
+        return Draft(tokens, q)
+
+    def accept(self, request_id: str, accepted: int) -> None:
+        """Nothing to undo: the next lookup reads the tokens the request kept."""
+
+    def end(self, request_id: str) -> None:
+        self._indexes.pop(request_id, None)
+
+    def save(self, request_id: str, key: bytes) -> None:
+        """Nothing to keep: the index is rebuilt from the tokens."""
+
+    def restore(self, request_id: str, key: bytes) -> None:
+        """Nothing to restore (`save`)."""

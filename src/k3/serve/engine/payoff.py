@@ -1,0 +1,78 @@
+"""How many tokens a request drafts (SPEC §8, issue 36): speculation only where it pays.
+
+A verified run of γ drafts keeps ``1 + a`` tokens (``a`` accepted plus the corrected or bonus token) for one target
+pass over γ + 1 positions and γ draft steps. With per-position acceptance α (drafts are accepted in order until the
+first rejection), the tokens a run is expected to keep are ``E(γ) = (1 − α^{γ+1}) / (1 − α)``, and its cost in plain
+decode steps is ``C(γ) = 1 + c·γ``, ``c`` the drafter's stated price of a drafted position (`NGramDrafter.cost`,
+`EagleDrafter.cost`, ...). `DraftLength` estimates α per request from its own runs — the geometric estimate
+Σ accepted / Σ examined, each run's counts decayed by ``decay`` so it follows a request whose text changes — and picks
+the γ ≤ ``gamma`` maximising E/C. When no γ > 0 beats plain decoding (E/C ≤ 1) the request decodes plainly for
+``pause`` steps, then probes with one draft; the pause doubles while probes keep losing (up to ``max_pause``).
+Tokens never depend on this choice (verification is lossless): only how many are drafted does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["DraftLength", "expected_tokens"]
+
+
+def expected_tokens(alpha: float, gamma: int) -> float:
+    """E(γ): tokens a run of γ drafts keeps on average at per-position acceptance ``alpha`` (bonus included)."""
+    return float(gamma + 1) if alpha >= 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
+
+
+@dataclass
+class _Record:
+    accepted: float  # decayed Σ accepted drafts
+    examined: float  # decayed Σ drafts examined (accepted, plus the rejected one)
+    paused: int = 0  # plain steps left before the next probe
+    pause: int = 0  # the length of the last pause
+
+
+class DraftLength:
+    """Per-request draft lengths (module docstring); ``prior`` is α before any run (worth ``prior_weight`` drafts)."""
+
+    def __init__(self, gamma: int, cost: float, prior: float = 0.6, prior_weight: float = 2.0, decay: float = 0.8,
+                 pause: int = 16, max_pause: int = 256) -> None:
+        if gamma < 0 or cost < 0 or not 0 <= prior <= 1 or not 0 < decay <= 1 or not 1 <= pause <= max_pause:
+            raise ValueError(f"draft length: invalid settings gamma={gamma}, cost={cost}, prior={prior}, "
+                             f"decay={decay}, pause={pause}, max_pause={max_pause}")
+        self.gamma, self.cost, self.decay, self.min_pause, self.max_pause = gamma, cost, decay, pause, max_pause
+        self.prior = (prior * prior_weight, prior_weight)
+        self._records: dict[str, _Record] = {}
+
+    def acceptance(self, request_id: str) -> float:
+        """The request's estimated per-position acceptance α."""
+        r = self._records.get(request_id)
+        accepted, examined = self.prior if r is None else (r.accepted, r.examined)
+        return accepted / examined if examined > 0 else 0.0
+
+    def best(self, alpha: float) -> int:
+        """The γ ≤ ``gamma`` with the most expected tokens per cost; 0 when none beats plain decoding."""
+        gain = [expected_tokens(alpha, g) / (1 + self.cost * g) for g in range(self.gamma + 1)]
+        best = max(range(self.gamma + 1), key=gain.__getitem__)
+        return best if gain[best] > 1 else 0
+
+    def length(self, request_id: str) -> int:
+        """How many tokens the request drafts this step (0: it decodes plainly)."""
+        r = self._records.setdefault(request_id, _Record(*self.prior))
+        if r.paused:
+            r.paused -= 1
+            return 0 if r.paused else min(1, self.gamma)  # the pause's last step probes with one draft
+        return self.best(self.acceptance(request_id))
+
+    def update(self, request_id: str, drafted: int, accepted: int) -> None:
+        """A verified run of ``drafted`` drafts kept ``accepted`` of them."""
+        r = self._records.setdefault(request_id, _Record(*self.prior))
+        r.accepted = r.accepted * self.decay + accepted
+        r.examined = r.examined * self.decay + accepted + (accepted < drafted)
+        if self.best(self.acceptance(request_id)) == 0:
+            r.pause = min(self.max_pause, 2 * r.pause) if r.pause else self.min_pause
+            r.paused = r.pause
+        else:
+            r.pause = 0
+
+    def end(self, request_id: str) -> None:
+        self._records.pop(request_id, None)

@@ -1,0 +1,105 @@
+"""The prompt-lookup drafter (`k3.serve.engine.ngram`, issue 36): hand-worked proposals, and in the engine the same
+greedy tokens as plain decoding, drafts accepted on repetitive text, and sampled requests still exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import serving
+from k3 import K3ForCausalLM
+from k3.config import preset
+from k3.serve.engine import Engine, SamplingParams
+from k3.serve.engine.ngram import NGramDrafter
+
+
+def lookup(tokens: list[int], gamma: int = 4, **kwargs) -> list[int]:
+    return NGramDrafter(100, **kwargs).lookup("r", tokens, gamma)
+
+
+def test_the_longest_suffix_wins_over_a_later_shorter_match():
+    # suffix [7, 8, 9]: its 3-gram occurred at the start (followed by 1 2); the 2-gram [8, 9] also later (then 5)
+    assert lookup([7, 8, 9, 1, 2, 0, 8, 9, 5, 6, 7, 8, 9], gamma=2) == [1, 2]
+
+
+def test_the_most_recent_occurrence_wins():
+    assert lookup([3, 4, 10, 11, 3, 4, 20, 21, 3, 4], gamma=2) == [20, 21]
+
+
+def test_a_match_running_into_the_end_continues_periodically():
+    # [5, 6] last occurred ending at index 4; what followed is 5 6 (the suffix), then the period-2 pattern goes on
+    assert lookup([9, 5, 6, 5, 6, 5, 6], gamma=5) == [5, 6, 5, 6, 5]
+
+
+def test_no_match_of_min_n_tokens_proposes_nothing():
+    assert lookup([1, 2, 3, 4, 5, 3]) == []  # only the 1-gram [3] repeats; min_n is 2
+    assert lookup([1, 2, 3, 4, 5, 3], min_n=1) == [4, 5, 3, 4]
+    assert lookup([1]) == []
+
+
+def test_proposals_stop_at_gamma_and_follow_a_growing_history():
+    drafter = NGramDrafter(100)
+    history = [1, 2, 3, 4, 5, 6, 1, 2]
+    assert drafter.lookup("r", history, 3) == [3, 4, 5]
+    history += [3, 9, 1, 2]  # the index is extended, not rebuilt: [1, 2] now last occurred before 3 9
+    assert drafter.lookup("r", history, 3) == [3, 9, 1]
+    drafter.end("r")
+    assert drafter.lookup("r", [1, 2], 3) == []
+
+
+def test_the_draft_distribution_is_one_hot_at_each_token():
+    draft = NGramDrafter(50).propose("r", [4, 5, 6, 4], 5, SamplingParams(), [], [], None, 3)
+    assert draft.tokens == [6, 4, 5]
+    expected = torch.zeros(3, 50, dtype=torch.float64)
+    expected[0, 6] = expected[1, 4] = expected[2, 5] = 1.0
+    assert torch.equal(draft.q, expected)
+
+
+CYCLE = [101, 57, 300, 12, 404, 77, 250]
+
+
+class Cycling(K3ForCausalLM):
+    """A real ``tiny`` K3 whose logits favour, at every position, the token after the one it read in ``CYCLE`` (the
+    cycle's first token after any other): its answer repeats the cycle, as an edit repeats its input. The bias
+    depends on the input token only, so it is the same in decode rows, prefill chunks and verification runs."""
+
+    def __init__(self) -> None:
+        torch.manual_seed(0)
+        super().__init__(preset("tiny"))
+        self.eval()
+        self.successor = torch.full((self.config.vocab_size,), CYCLE[0])
+        self.successor[CYCLE] = torch.tensor(CYCLE[1:] + CYCLE[:1])
+
+    def forward_groups(self, groups, full=None, replay=None):
+        results = super().forward_groups(groups, full, replay)
+        for (ids, _), (logits, _), every in zip(groups, results, full or [False] * len(groups)):
+            read = ids.reshape(-1) if every else ids[:, -1]
+            logits[torch.arange(len(read)), self.successor[read]] += 1e4
+        return results
+
+
+@pytest.mark.parametrize("adaptive", [True, False])
+def test_greedy_tokens_equal_plain_decoding_and_repeats_are_accepted(tok, adaptive):
+    model = Cycling()
+    prompts = [serving.prompts()[3] + CYCLE * 2, *serving.prompts()[2:5]]
+    params = SamplingParams(max_tokens=24, temperature=0, logprobs=1)
+    plain = Engine(model, tok)
+    spec = Engine(model, tok, drafter=NGramDrafter(model.config.vocab_size), adaptive_draft=adaptive)
+    for prompt in prompts:
+        want = [(o.token_ids, [t.logprob for t in o.logprobs]) for o in plain.generate(prompt, params)]
+        got = [(o.token_ids, [t.logprob for t in o.logprobs]) for o in spec.generate(prompt, params)]
+        assert [t for ids, _ in got for t in ids] == [t for ids, _ in want for t in ids]
+        assert [p for _, ps in got for p in ps] == pytest.approx([p for _, ps in want for p in ps], abs=1e-4)
+    stats = spec.speculation
+    assert stats["accepted"] > 0.9 * stats["drafted"] > 0 and stats["accepted_at_4"] > 0
+
+
+def test_sampled_requests_end_like_plain_ones(tok):
+    """Sampling under speculation draws its uniforms differently, so only the distribution is shared (the rule's
+    exactness is `test_speculative`'s); here: the request runs to max_tokens with valid ids and no error."""
+    params = SamplingParams(max_tokens=20, temperature=0.7, seed=5)
+    model = Cycling()
+    spec = Engine(model, tok, drafter=NGramDrafter(model.config.vocab_size), adaptive_draft=False)
+    outputs = list(spec.generate(serving.prompts()[3] + CYCLE * 2, params))
+    tokens = [t for o in outputs for t in o.token_ids]
+    assert outputs[-1].finish_reason == "length" and len(tokens) == 20 and max(tokens) < tok.vocab_size

@@ -1,0 +1,77 @@
+"""The adaptive draft length (`k3.serve.engine.payoff`, issue 36): expected tokens by enumeration, γ chosen from
+measured acceptance, a pause that probes again, and the engine's tokens unchanged by it."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from k3.serve.engine.payoff import DraftLength, expected_tokens
+
+
+@given(st.floats(0, 1), st.integers(0, 6))
+def test_expected_tokens_is_the_enumerated_mean(alpha, gamma):
+    """Sum over every accept/reject pattern of γ drafts: a run keeps the accepted prefix and one more token."""
+    mean = 0.0
+    for pattern in itertools.product([True, False], repeat=gamma):
+        accepted = next((i for i, ok in enumerate(pattern) if not ok), gamma)
+        probability = 1.0
+        for ok in pattern:
+            probability *= alpha if ok else 1 - alpha
+        mean += probability * (accepted + 1)
+    assert expected_tokens(alpha, gamma) == pytest.approx(mean, abs=1e-9)
+
+
+def test_full_acceptance_drafts_the_most_and_none_stops():
+    lengths = DraftLength(gamma=4, cost=0.1)
+    for _ in range(10):
+        lengths.update("good", 4, 4)
+        lengths.update("bad", 4, 0)
+    assert lengths.length("good") == 4
+    assert lengths.length("bad") == 0
+
+
+def test_a_paused_request_probes_after_the_pause_and_the_pause_doubles():
+    lengths = DraftLength(gamma=3, cost=0.25, prior=0.0, pause=4, max_pause=8)
+    lengths.update("r", 3, 0)  # nothing accepted: below the break-even point, paused for 4 steps
+    assert [lengths.length("r") for _ in range(4)] == [0, 0, 0, 1]
+    lengths.update("r", 1, 0)  # the probe lost: twice as long
+    assert [lengths.length("r") for _ in range(8)] == [0] * 7 + [1]
+    lengths.update("r", 1, 0)
+    assert [lengths.length("r") for _ in range(8)] == [0] * 7 + [1]  # capped at max_pause
+
+
+def test_recovering_acceptance_drafts_again():
+    lengths = DraftLength(gamma=4, cost=0.1, prior=0.0, pause=2)
+    lengths.update("r", 4, 0)
+    assert [lengths.length("r") for _ in range(2)] == [0, 1]
+    for _ in range(5):
+        lengths.update("r", 1, 1)
+    assert lengths.length("r") >= 3
+
+
+@given(st.floats(0, 1))
+def test_best_never_loses_to_plain_decoding(alpha):
+    lengths = DraftLength(gamma=5, cost=0.3)
+    gamma = lengths.best(alpha)
+    assert gamma == 0 or expected_tokens(alpha, gamma) / (1 + 0.3 * gamma) > 1
+
+
+def test_an_engine_whose_drafts_always_lose_stops_drafting(model, tok):
+    """A draft model with other weights is mostly rejected: adaptively, it drafts far less than always."""
+    import serving
+    from k3.serve.engine import Engine, SamplingParams
+    from k3.serve.engine.drafting import ModelDrafter
+
+    params = SamplingParams(max_tokens=40, temperature=0)
+    counts = {}
+    for adaptive in (False, True):
+        engine = Engine(model, tok, drafter=ModelDrafter(serving.model(seed=1)), num_draft_tokens=4,
+                        adaptive_draft=adaptive)
+        list(engine.generate(serving.prompts()[3], params))
+        counts[adaptive] = engine.speculation
+    assert counts[False]["accepted"] < counts[False]["drafted"] / 2
+    assert counts[True]["drafted"] < counts[False]["drafted"] / 2 and counts[True]["plain"] > 0
