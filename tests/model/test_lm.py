@@ -10,6 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from k3 import K3ForCausalLM
@@ -314,3 +315,50 @@ def test_forward_groups_equals_forward_per_group(name, groups):
             ref_logits, ref_state = m(ids, state=state)
             torch.testing.assert_close(logits, ref_logits[:, -1], **TOL[torch.float64])
             assert_same_state(new_state, ref_state, **TOL[torch.float64])
+
+
+def decode(m: K3ForCausalLM, state: DecoderState, tokens: list[int]) -> tuple[Tensor, list[DecoderState]]:
+    """Sequential decoding: ``tokens`` one `forward` call each; the logits ``[len(tokens), V]`` and the state after
+    each token."""
+    logits, states = [], []
+    for token in tokens:
+        out, state = m(torch.tensor([[token]]), state=state)
+        logits.append(out[0, -1])
+        states.append(state)
+    return torch.stack(logits), states
+
+
+@pytest.mark.parametrize("name", ["every-path", "plain-residual"])
+@settings(max_examples=4, deadline=None)
+@given(rows=st.lists(st.tuples(st.integers(1, 9), st.integers(1, 4)), min_size=2, max_size=3))
+def test_stacked_verification_accepts_each_row_like_a_batch_1_verification(name, rows):
+    """Rows of unequal context and run lengths verified as one replay group (SPEC §8; runs right-padded with
+    random tokens), split by `unstack`: each row's logits and ``accept(n)`` states, for every n, equal the row
+    verified alone in a batch-1 group and sequential decoding of its first n tokens; an accepted state continues
+    like the sequentially decoded one."""
+    m = model(name, torch.float64)
+    gen = torch.Generator().manual_seed(sum(c * 7 + r for c, r in rows))
+    width = max(r for _, r in rows)
+    with torch.no_grad():
+        states = [m(torch.randint(0, 256, (1, c), generator=gen), state=m.new_state(1))[1] for c, _ in rows]
+        runs = [torch.randint(0, 256, (r,), generator=gen).tolist() for _, r in rows]
+        ids = torch.randint(0, 256, (len(rows), width), generator=gen)  # the padding: random tokens
+        for b, run in enumerate(runs):
+            ids[b, :len(run)] = torch.tensor(run)
+        other = (torch.randint(0, 256, (1, 3), generator=gen), states[0])  # a group before, to offset the run's tokens
+        (_, _), (logits, stacked) = m.forward_groups([other, (ids, DecoderState.stack(states))], full=[False, True],
+                                                     replay=[False, True])
+        assert logits.shape == (len(rows) * width, m.config.vocab_size)
+        for b, (state, run, row) in enumerate(zip(states, runs, stacked.unstack(), strict=True)):
+            [(alone_logits, alone)] = m.forward_groups([(torch.tensor([run]), state)], full=[True], replay=[True])
+            want_logits, wanted = decode(m, state, run)
+            got = logits[b * width:b * width + len(run)]
+            torch.testing.assert_close(got, want_logits, **TOL[torch.float64])
+            torch.testing.assert_close(got, alone_logits, **TOL[torch.float64])
+            token = torch.tensor([[run[0]]])
+            for n, want in enumerate(wanted, 1):
+                accepted = row.accept(n)
+                assert accepted.replay is None and accepted.padding is None
+                assert_same_state(accepted, want, **TOL[torch.float64])
+                assert_same_state(accepted, alone.accept(n), **TOL[torch.float64])
+                torch.testing.assert_close(m(token, state=accepted)[0], m(token, state=want)[0], **TOL[torch.float64])

@@ -228,9 +228,11 @@ class K3ForCausalLM(nn.Module):
         ``groups`` are ``(input_ids [B_g, T_g], state_g)`` (or embeddings ``[B_g, T_g, d]``, e.g. a chunk of
         `embed_multimodal`'s output, in place of the ids); returns per group the logits of each row's last
         position ``[B_g, V]`` (with ``full[g]``: of every position, ``[B_g·T_g, V]``, rows first) and the
-        advanced state — what `forward` gives per group. With ``replay[g]`` (batch-1 groups: a speculative
-        verification) the returned state carries a `Replay`, so ``state.accept(n)`` gives the state after only
-        the first n tokens. Token-wise work (embedding, AttnRes, norms, FFN / MoE, head) runs once over all
+        advanced state — what `forward` gives per group. With ``replay[g]`` (a speculative verification, SPEC §8)
+        the returned state carries a `Replay` of the whole group: for batch 1 ``state.accept(n)`` gives the state
+        after only the first n tokens; a batch (a stacked state, each row's draft right-padded to T: causal, so its
+        valid positions do not see the padding) is split with `DecoderState.unstack` into rows that each accept on
+        their own. Token-wise work (embedding, AttnRes, norms, FFN / MoE, head) runs once over all
         tokens; only the sequence mixers run per group.
         """
         if not groups:
@@ -271,9 +273,7 @@ class K3ForCausalLM(nn.Module):
             n = len(wanted[g])
             pending = None
             if replay[g]:
-                if B != 1 or state.padding is not None:
-                    raise ValueError(f"groups[{g}]: replay needs a batch-1, unpadded state")
-                run = stacked[:, 0, starts[g]:starts[g] + T].transpose(0, 1).unsqueeze(0)  # [1, T, S, d]
+                run = stacked[:, 0, starts[g]:starts[g] + B * T].transpose(0, 1).unflatten(0, (B, T))  # [B, T, S, d]
                 pending = Replay(state, records[g], run)
             out.append((logits[offset:offset + n], DecoderState(layer_states[g], sources[source:source + B],
                                                                 state.position + T, state.padding, pending)))

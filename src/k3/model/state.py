@@ -3,9 +3,10 @@
 It holds every layer's KDA state (ShortConv window + recurrent state) or MLA latent cache, the Block
 AttnRes depth sources of the last position, and the number of tokens consumed. Sequences of unequal
 lengths share one batch (`stack`) by left-padding the MLA caches; ``padding[b]`` counts row b's padded
-leading positions, which attention masks out, and `unstack` strips them again. Serving checkpoints it
-at token boundaries, restores it from a prefix cache, replays it after speculative drafts and ships
-it between ranks, so it is plain tensors: `clone`, `to`, `select` (batch rows), `save` / `load`.
+leading positions, which attention masks out, and `unstack` strips them again (splitting a stacked
+speculative verification's `Replay` by row). Serving checkpoints it at token boundaries, restores it from
+a prefix cache, replays it after speculative drafts and ships it between ranks, so it is plain tensors:
+`clone`, `to`, `select` (batch rows), `save` / `load`.
 """
 
 from __future__ import annotations
@@ -136,13 +137,16 @@ class DecoderState:
         return cls(layers, depth, position, padding)
 
     def unstack(self) -> list[DecoderState]:
-        """Each row as its own batch-1 state, its padding stripped (inverse of `stack`)."""
+        """Each row as its own batch-1 state, its padding stripped (inverse of `stack`). A pending `Replay` of a
+        stacked verification (SPEC §8) is split too: each row keeps its own before-state, KDA records and depth
+        sources, so it can `accept` its own prefix as if it had been verified alone."""
         rows = []
         for b, pad in enumerate(self.row_padding().tolist()):
             row = self.select(slice(b, b + 1))
             layers = [MLACache(s.latent[:, pad:], s.shared_key[:, pad:]) if isinstance(s, MLACache) else s
                       for s in row.layers]
-            rows.append(DecoderState(layers, row.depth, self.position - pad))
+            replay = None if row.replay is None else replace(row.replay, before=row.replay.before.unstack()[0])
+            rows.append(DecoderState(layers, row.depth, self.position - pad, replay=replay))
         return rows
 
     def row_padding(self) -> Tensor:

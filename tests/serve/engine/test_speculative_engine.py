@@ -80,6 +80,37 @@ def test_speculating_and_plain_requests_share_batches(model, tok):
     assert [t for t, _, _ in plain] == [t for t, _, _ in spec]
 
 
+@pytest.mark.parametrize("kind", ["other weights (mostly rejected)", "eagle-3 (untrained)"])
+def test_speculating_requests_verify_in_one_replay_group(model, tok, monkeypatch, kind):
+    """All speculating requests of a step, with drafts of unequal lengths (``max_tokens`` shortens the last ones),
+    are verified in one replay group of one `forward_groups` call, and each still emits plain decoding's greedy
+    tokens, with or without neighbours."""
+    jobs = [(p, SamplingParams(max_tokens=n, temperature=0)) for p, n in zip(PROMPTS, (6, 9, 13, 17), strict=True)]
+    plain = run(Engine(model, tok), jobs)
+    engine = Engine(model, tok, drafter=drafters()[kind](model), num_draft_tokens=4)
+    drafted, replayed = [], []
+    propose, forward_groups = engine.speculator.propose, model.forward_groups
+
+    def record_drafts(requests):
+        drafts = propose(requests)
+        drafted.append(sorted(len(d.tokens) for d in drafts.values()))
+        return drafts
+
+    def record_groups(groups, full=None, replay=None):
+        replayed.append([ids.shape for (ids, _), r in zip(groups, replay or [False] * len(groups)) if r])
+        return forward_groups(groups, full, replay)
+
+    monkeypatch.setattr(engine.speculator, "propose", record_drafts)
+    monkeypatch.setattr(model, "forward_groups", record_groups)
+    together = run(engine, jobs)
+    assert len(drafted) == len(replayed)
+    for lengths, shapes in zip(drafted, replayed, strict=True):
+        assert shapes == ([(len(lengths), max(lengths) + 1)] if lengths else [])
+    assert any(len(set(lengths)) > 1 for lengths in drafted) and max(map(len, drafted)) == len(jobs)
+    alone = [run(engine, [job])[0] for job in jobs]
+    assert [t for t, _, _ in plain] == [t for t, _, _ in together] == [t for t, _, _ in alone]
+
+
 @pytest.mark.parametrize("kind", list(drafters()))
 def test_the_state_after_every_step_equals_sequential_decoding(model, tok, kind):
     """Zero drafts (a request near max_tokens), all rejected, all accepted plus bonus, a stop string or

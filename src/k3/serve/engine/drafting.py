@@ -1,8 +1,8 @@
 """Speculative decoding in the engine (issue 14; SPEC §8): draft γ tokens, verify them in one target pass, replay.
 
 Per step, each speculating request's `Drafter` proposes γ tokens with the distributions ``q`` it sampled them
-from; the engine feeds ``[pending, d_1 … d_γ]`` as one batch-1 group of `K3ForCausalLM.forward_groups` (with every
-position's logits and a `Replay`), next to the other requests' decode rows and prefill chunks. The sampler's
+from; the engine feeds all speculating requests' ``[pending, d_1 … d_γ]`` as one group of `forward_groups` (with
+every position's logits and a `Replay`), next to the other requests' decode rows and prefill chunks. The sampler's
 `verify` (`k3.serve.engine.sampler`) then applies the lossless rule (`k3.serve.engine.speculative.verify`) to the
 target's *processed* distributions (penalties, temperature, top-k / top-p / min-p, exactly as plain sampling would
 use them); the accepted tokens and the corrected or bonus token are emitted one by one (stop strings, stop ids and

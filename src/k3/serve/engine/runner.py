@@ -2,9 +2,10 @@
 
 A `StepPlan` becomes groups of one `forward_groups` call: each prefill piece (with the logits of every position
 when its request wants prompt log-probabilities; the prompt's embeddings with its images encoded in, for an image
-prompt), each speculating request's ``[pending, d_1 … d_γ]`` (every position's logits and a KDA `Replay`), and
-the other decoding requests as one group (states stacked with `DecoderState.stack`, MLA caches left-padded and
-masked). A row's result does not depend on its batch neighbours (up to float reduction order), so greedy output is
+prompt), all speculating requests' ``[pending, d_1 … d_γ]`` as one group (right-padded to the longest draft,
+states stacked; every position's logits and a `Replay`, split by row with `DecoderState.unstack`), and the other
+decoding requests as one group (states stacked with `DecoderState.stack`, MLA caches left-padded and masked).
+A row's result does not depend on its batch neighbours (up to float reduction order), so greedy output is
 batch-invariant. With a `CompiledModel` the decode group and plain prefill pieces run on its graphs and the rest
 eagerly, together. A drafter that reads the target gets each group's features at the tokens it consumed.
 
@@ -66,15 +67,21 @@ class Runner:
 
     def _run(self, plan: StepPlan) -> Forward:
         drafts = self.speculator.propose(plan.decoding)
-        verifying = [(r, d) for r, d in drafts.items()]
+        verifying = list(drafts.items())
         decoding = [r for r in plan.decoding if r not in drafts]
         self._encode_images([request for request, _ in plan.pieces])
         groups = [(torch.tensor([piece]) if r.embeds is None else r.embeds[r.prefilled:r.prefilled + len(piece)][None],
                    r.state) for r, piece in plan.pieces]
-        groups += [(torch.tensor([[r.pending, *d.tokens]]), r.state) for r, d in verifying]
-        full = [r.prompt_logprobs is not None for r, _ in plan.pieces] + [True] * len(verifying)
-        replay = [False] * len(plan.pieces) + [True] * len(verifying)
-        consumed = [piece for _, piece in plan.pieces] + [[r.pending, *d.tokens] for r, d in verifying]
+        full = [r.prompt_logprobs is not None for r, _ in plan.pieces]
+        replay = [False] * len(plan.pieces)
+        consumed = [piece for _, piece in plan.pieces]
+        runs = [[r.pending, *d.tokens] for r, d in verifying]
+        if verifying:
+            rows = _right_padded(runs)
+            groups.append((torch.tensor(rows), _verify_state([r for r, _ in verifying])))
+            full.append(True)
+            replay.append(True)
+            consumed += rows
         if decoding:
             groups.append((torch.tensor([[r.pending] for r in decoding]), self._stacked(decoding)))
             full.append(False)
@@ -86,9 +93,9 @@ class Runner:
         for (request, piece), (logits, state), f in zip(plan.pieces, results, features):
             self.speculator.observe(request, piece, f)
             forward.pieces.append((request, piece, logits, state))
-        n = len(plan.pieces)
-        for (request, draft), (logits, state), f in zip(verifying, results[n:], features[n:]):
-            forward.verifying.append((request, draft, logits, state, f))
+        if verifying:
+            forward.verifying = _split_verification(verifying, runs, results[len(plan.pieces)],
+                                                    features[len(plan.pieces):len(plan.pieces) + len(runs)])
         if decoding:
             forward.logits, stacked = results[-1]
             forward.states = stacked.unstack()
@@ -120,7 +127,7 @@ class Runner:
     def _call(self, groups: list, full: list[bool], replay: list[bool],
               consumed: list[list[int]]) -> tuple[list, list[Tensor] | None]:
         """`forward_groups`; for a drafter that reads the target, also each group's features ``[T, layers, d]``
-        at its consumed tokens (a decode group's rows one by one)."""
+        at its consumed tokens (the verification and decode groups' rows one by one)."""
         layers = self.speculator.feature_layers
         if self.compiled is not None and not layers:
             return self._call_compiled(groups, full, replay), None
@@ -138,3 +145,29 @@ class Runner:
         results = dict(zip(eager, self.model.forward_groups([groups[g] for g in eager], full=[full[g] for g in eager],
                                                             replay=[replay[g] for g in eager]) if eager else []))
         return [results[g] if g in results else self.compiled(*group) for g, group in enumerate(groups)]
+
+
+def _right_padded(runs: list[list[int]]) -> list[list[int]]:
+    """The runs ``[pending, d_1 … d_γ]`` right-padded to the longest by repeating their last token: the model is
+    causal, so a run's valid positions do not see the padding, and `DecoderState.accept` keeps only a prefix."""
+    width = max(map(len, runs))
+    return [run + run[-1:] * (width - len(run)) for run in runs]
+
+
+def _verify_state(requests: list[Request]) -> DecoderState:
+    """The verification group's state: the speculating requests' states stacked (one state as it is)."""
+    return requests[0].state if len(requests) == 1 else DecoderState.stack([r.state for r in requests])
+
+
+def _split_verification(verifying: list[tuple[Request, Draft]], runs: list[list[int]], result: tuple,
+                        features: list[Tensor | None]) -> list[tuple[Request, Draft, Tensor, DecoderState,
+                                                                        Tensor | None]]:
+    """Per speculating request, from the one verification group's ``(logits [B·T, V], state)``: the logits and
+    features at its own ``γ + 1`` positions and its own row of the state, with that row's `Replay` (SPEC §8)."""
+    logits, state = result
+    width = logits.shape[0] // len(runs)
+    out = []
+    for b, ((request, draft), run, row, f) in enumerate(zip(verifying, runs, state.unstack(), features, strict=True)):
+        n = len(run)
+        out.append((request, draft, logits[b * width:b * width + n], row, None if f is None else f[:n]))
+    return out
