@@ -87,7 +87,7 @@ def test_speculating_requests_verify_in_one_replay_group(model, tok, monkeypatch
     tokens, with or without neighbours."""
     jobs = [(p, SamplingParams(max_tokens=n, temperature=0)) for p, n in zip(PROMPTS, (6, 9, 13, 17), strict=True)]
     plain = run(Engine(model, tok), jobs)
-    engine = Engine(model, tok, drafter=drafters()[kind](model), num_draft_tokens=4)
+    engine = Engine(model, tok, drafter=drafters()[kind](model), num_draft_tokens=4, adaptive_draft=False)
     drafted, replayed = [], []
     propose, forward_groups = engine.speculator.propose, model.forward_groups
 
