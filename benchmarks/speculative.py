@@ -1,22 +1,26 @@
-"""Speculative decoding with an EAGLE-3 draft: acceptance, accepted length and decode speed, with and without it.
+"""Speculative decoding against plain decoding, side by side: n-gram and EAGLE-3 drafters, fixed and adaptive γ.
 
-Needs a trained target and a draft trained on it (nothing is downloaded):
+Needs a trained target and, for the EAGLE-3 rows, a draft trained on it (nothing is downloaded):
 
     make demo                                                     # the mini preset -> runs/mini
     .venv/bin/k3 train-draft --ckpt runs/mini --out runs/mini-draft --steps 300 --max-minutes 5
     python benchmarks/speculative.py --target runs/mini --draft runs/mini-draft
 
-For batch 1 and 8, greedy and temperature 0.8: decode tokens/s of 64-token continuations of 64-token prompts
-from the standard library's source, through the engine without HTTP, plain and speculating with γ draft tokens;
-the acceptance rate (accepted / drafted) and the mean tokens kept per verified run (accepted + the corrected or
-bonus token). Then the replay buffers' bytes per verified run against per-position state snapshots. Greedy
-outputs are checked to be identical. Target (issue 14): ≥ 1.5× batch-1 greedy decode speed.
+Two workloads of 64-token prompts from the standard library's source: **text** continues the source; **edit** is a
+code-editing request — a function, a marker, and the function's first line again — whose answer repeats most of
+the prompt. For each drafter (``ngram``: prompt lookup, no model; ``eagle``: the draft), batch 1 and 8, greedy and
+temperature 0.8, γ drafted always (``--always-draft``) or adaptively (the default), the decode tokens/s of 64-token
+continuations through the engine without HTTP, beside plain decoding of the same prompts in the same pass (passes
+repeated, medians reported); the acceptance rate per draft position; tokens kept per verified run; the steps in
+which a speculating engine's request decoded plainly. Greedy outputs are checked identical to plain decoding.
+Targets (issue 36): batch-1 greedy ≥ 1.5× (EAGLE), n-gram ≥ 2× on edits, batch 8 ≥ 1.0×, no row below 0.95×.
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import statistics
 import sys
 import time
 from dataclasses import replace
@@ -33,15 +37,25 @@ from k3.serve.engine import Engine, SamplingParams  # noqa: E402
 from k3.serve.options import EngineOptions  # noqa: E402
 
 
-def prompts(tokenizer, n: int, length: int = 64) -> list[list[int]]:
+def prompts(tokenizer, n: int, workload: str, length: int = 64) -> list[list[int]]:
+    """``n`` prompts of about ``length`` tokens: a slice of a source file (text), or a function, a marker and the
+    function's first line (edit)."""
     files = sorted(Path(random.__file__).parent.glob("*.py"))
     rng = random.Random(0)
-    out = []
+    out: list[list[int]] = []
     while len(out) < n:
-        ids = tokenizer.encode(rng.choice(files).read_text())
-        if len(ids) > 2 * length:
-            start = rng.randrange(len(ids) - length)
-            out.append(ids[start:start + length])
+        source = rng.choice(files).read_text()
+        if workload == "text":
+            ids = tokenizer.encode(source)
+            if len(ids) > 2 * length:
+                start = rng.randrange(len(ids) - length)
+                out.append(ids[start:start + length])
+            continue
+        functions = [f for f in source.split("\n    def ")[1:] if 150 < len(f) < 1500]
+        if functions:
+            body = "    def " + rng.choice(functions)
+            ids = tokenizer.encode(body + "\n# the same method, with its docstring rewrapped:\n" + body.split("\n")[0])
+            out.append(ids[-4 * length:])
     return out
 
 
@@ -73,42 +87,69 @@ def replay_bytes(config, gamma: int) -> tuple[int, int]:
     return 4 * layers * (gamma + 1) * per_token, 4 * layers * (gamma + 1) * snapshot
 
 
+def timed_pass(engines: dict[str, Engine], batch: list[list[int]], params: SamplingParams) -> dict:
+    """Each engine decodes ``batch`` in turn: its seconds and tokens."""
+    return {name: decode(engine, batch, params) for name, engine in engines.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--target", default="runs/mini")
-    parser.add_argument("--draft", default="runs/mini-draft")
-    parser.add_argument("--gamma", type=int, default=3)
+    parser.add_argument("--draft", default="runs/mini-draft", help="an EAGLE-3 draft ('' for the n-gram rows only)")
+    parser.add_argument("--gamma", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--passes", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(2)
     target, tokenizer = load_model(Path(args.target))
     plain_options = EngineOptions(max_batch=8, prefix_cache=False)  # k3 serve --max-batch 8 --no-prefix-cache
-    spec_options = replace(plain_options, draft=args.draft, num_draft_tokens=args.gamma)  # ... --draft DIR
-    rows = []
-    for batch_size in (1, 8):
-        batch = prompts(tokenizer, batch_size)
-        for temperature in (0.0, 0.8):
-            params = SamplingParams(max_tokens=args.tokens, temperature=temperature, seed=0)
-            plain_s, plain = decode(plain_options.build(target, tokenizer), batch, params)
-            spec_engine = spec_options.build(target, tokenizer)
-            assert isinstance(spec_engine.drafter, EagleDrafter), f"{args.draft} is not an EAGLE-3 draft"
-            spec_s, spec = decode(spec_engine, batch, params)
-            if temperature == 0:
-                assert spec == plain, "speculative greedy decoding differs from plain decoding"
-            stats = spec_engine.speculation
-            tokens = sum(map(len, spec))
-            rows.append({"batch": batch_size, "temperature": temperature, "gamma": args.gamma,
-                         "plain_tok_s": sum(map(len, plain)) / plain_s, "spec_tok_s": tokens / spec_s,
-                         "speed_up": (tokens / spec_s) / (sum(map(len, plain)) / plain_s),
-                         "acceptance": stats["accepted"] / max(1, stats["drafted"]),
-                         "kept_per_run": (stats["accepted"] + stats["runs"]) / max(1, stats["runs"])})
-    print(table(rows, [("batch", "batch"), ("temperature", "temperature"), ("gamma", "γ"),
-                       ("plain_tok_s", "plain tok/s"), ("spec_tok_s", "speculative tok/s"), ("speed_up", "speed-up"),
-                       ("acceptance", "acceptance"), ("kept_per_run", "tokens kept per run")]))
+    drafters = {"ngram": "ngram", **({"eagle": args.draft} if args.draft else {})}
+    rows, positions = [], {}
+    for workload in ("text", "edit"):
+        for batch_size in (1, 8):
+            batch = prompts(tokenizer, batch_size, workload)
+            for temperature in (0.0, 0.8):
+                params = SamplingParams(max_tokens=args.tokens, temperature=temperature, seed=0)
+                engines = {"plain": plain_options.build(target, tokenizer)}
+                for name, draft in drafters.items():
+                    for always in (True, False):
+                        engines[(name, always)] = replace(plain_options, draft=draft, num_draft_tokens=args.gamma,
+                                                          always_draft=always).build(target, tokenizer)
+                assert isinstance(engines[("eagle", True)].drafter, EagleDrafter) if args.draft else True
+                timed_pass(engines, batch, params)  # warm-up
+                passes = [timed_pass(engines, batch, params) for _ in range(args.passes)]
+                plain_tokens = passes[0]["plain"][1]
+                plain_rate = statistics.median(sum(map(len, p["plain"][1])) / p["plain"][0] for p in passes)
+                for key, engine in engines.items():
+                    if key == "plain":
+                        continue
+                    name, always = key
+                    if temperature == 0:
+                        assert all(p[key][1] == plain_tokens for p in passes), f"{key}: greedy differs from plain"
+                    rate = statistics.median(sum(map(len, p[key][1])) / p[key][0] for p in passes)
+                    stats = engine.speculation
+                    rows.append({"workload": workload, "drafter": name, "gamma": "always" if always else "adaptive",
+                                 "batch": batch_size, "temperature": temperature, "plain_tok_s": plain_rate,
+                                 "spec_tok_s": rate, "speed_up": rate / plain_rate,
+                                 "acceptance": stats["accepted"] / max(1, stats["drafted"]),
+                                 "kept_per_run": (stats["accepted"] + stats["runs"]) / max(1, stats["runs"]),
+                                 "plain_steps": stats["plain"], "runs": stats["runs"]})
+                    print(rows[-1], flush=True)
+                    positions[f"{workload}/{name}/{rows[-1]['gamma']}/b{batch_size}/t{temperature}"] = [
+                        round(stats[f"accepted_at_{i}"] / stats[f"drafted_at_{i}"], 3) if stats[f"drafted_at_{i}"]
+                        else None for i in range(1, args.gamma + 1)]
+    print(table(rows, [("workload", "workload"), ("drafter", "drafter"), ("gamma", "γ"), ("batch", "batch"),
+                       ("temperature", "temperature"), ("plain_tok_s", "plain tok/s"),
+                       ("spec_tok_s", "speculative tok/s"), ("speed_up", "speed-up"), ("acceptance", "acceptance"),
+                       ("kept_per_run", "tokens kept per run"), ("runs", "runs"), ("plain_steps", "plain steps")]))
+    print("\nacceptance by draft position (1 … γ):")
+    for key, rates in positions.items():
+        print(f"  {key}: {rates}")
     replay, snapshots = replay_bytes(target.config, args.gamma)
     print(f"\nKDA replay buffers per verified run (γ = {args.gamma}): {replay:,} bytes; per-position snapshots: "
           f"{snapshots:,} bytes ({snapshots / replay:.1f}x)")
-    payload = {"machine": machine(), "rows": rows, "replay_bytes": replay, "snapshot_bytes": snapshots}
+    payload = {"machine": machine(), "rows": rows, "acceptance_by_position": positions, "replay_bytes": replay,
+               "snapshot_bytes": snapshots}
     print(f"results: {write_results('speculative', payload)}")
 
 

@@ -75,3 +75,22 @@ def test_an_engine_whose_drafts_always_lose_stops_drafting(model, tok):
         counts[adaptive] = engine.speculation
     assert counts[False]["accepted"] < counts[False]["drafted"] / 2
     assert counts[True]["drafted"] < counts[False]["drafted"] / 2 and counts[True]["plain"] > 0
+
+
+def test_a_model_drafter_catches_up_after_steps_without_drafts():
+    """Paused steps emit tokens the draft model never read: its next proposal reads them first, so it proposes what
+    a drafter that read the whole history proposes."""
+    import torch
+
+    import serving
+    from k3.serve.engine import SamplingParams
+    from k3.serve.engine.drafting import ModelDrafter
+
+    tokens, params = serving.prompts()[5], SamplingParams(temperature=0)
+    paused, fresh = ModelDrafter(serving.model(seed=1)), ModelDrafter(serving.model(seed=1))
+    paused.propose("r", tokens[:10], tokens[10], params, tokens[:10], [], None, 3)
+    paused.accept("r", 0)  # read 11 tokens; then 9 tokens are decoded plainly
+    a = paused.propose("r", tokens[:20], tokens[20], params, tokens[:10], tokens[10:21], None, 3)
+    b = fresh.propose("r", tokens[:20], tokens[20], params, tokens[:10], tokens[10:21], None, 3)
+    assert a.tokens == b.tokens
+    torch.testing.assert_close(a.q, b.q, atol=1e-5, rtol=0)

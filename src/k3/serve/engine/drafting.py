@@ -81,8 +81,9 @@ class ModelDrafter:
 
     def __init__(self, model: K3ForCausalLM) -> None:
         self.model = model.eval()
-        self._states: dict[str, DecoderState] = {}  # per request: consumed everything before its pending token
-        self._proposed: dict[str, tuple[list[DecoderState], list[int]]] = {}  # the last proposal: states, tokens
+        self._states: dict[str, tuple[DecoderState, int]] = {}  # per request: a state and how many tokens it read
+        self._proposed: dict[str, tuple[list[DecoderState], list[int], int]] = {}  # the last proposal: states,
+        # tokens, and the tokens read before it
 
     def observe(self, request_id: str, tokens: list[int], features: Tensor | None) -> None:
         """The draft reads the tokens itself (`propose`, `accept`)."""
@@ -90,12 +91,10 @@ class ModelDrafter:
     @torch.inference_mode()
     def propose(self, request_id: str, history: list[int], pending: int, params: SamplingParams, prompt: list[int],
                 output: list[int], generator: torch.Generator | None, gamma: int) -> Draft:
-        state = self._states.get(request_id)
-        if state is None:  # first proposal: read everything before the pending token
-            state = self.model.new_state(1)
-            if history:
-                _, state = self.model(torch.tensor([history]), state=state)
-            self._states[request_id] = state
+        state, read = self._states.get(request_id) or (self.model.new_state(1), 0)
+        if read < len(history):  # the first proposal, or steps decoded without drafting: catch up
+            _, state = self.model(torch.tensor([history[read:]]), state=state)
+            self._states[request_id] = state, len(history)
         tokens, qs, states, token = [], [], [], pending
         for _ in range(gamma):
             logits, state = self.model(torch.tensor([[token]]), state=state)
@@ -104,16 +103,17 @@ class ModelDrafter:
             token = int(q.argmax()) if params.temperature == 0 else int(torch.multinomial(q, 1, generator=generator))
             tokens.append(token)
             qs.append(q)
-        self._proposed[request_id] = (states, tokens)  # states[i]: after pending, d_1 … d_i
+        self._proposed[request_id] = (states, tokens, len(history))  # states[i]: after pending, d_1 … d_i
         return Draft(tokens, torch.stack(qs))
 
     @torch.inference_mode()
     def accept(self, request_id: str, accepted: int) -> None:
-        states, tokens = self._proposed.pop(request_id)
+        states, tokens, read = self._proposed.pop(request_id)
         if accepted < len(states):
-            self._states[request_id] = states[accepted]
+            state = states[accepted]
         else:  # every draft was kept: the draft has not read its own last token yet
-            _, self._states[request_id] = self.model(torch.tensor([[tokens[-1]]]), state=states[-1])
+            _, state = self.model(torch.tensor([[tokens[-1]]]), state=states[-1])
+        self._states[request_id] = state, read + 1 + accepted
 
     def end(self, request_id: str) -> None:
         self._states.pop(request_id, None)
