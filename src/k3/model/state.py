@@ -96,6 +96,25 @@ class DecoderState:
     def clone(self) -> DecoderState:
         return self.apply(torch.clone)
 
+    def recurrent(self) -> DecoderState:
+        """A copy of this state's fixed-size part — KDA layers and depth sources — with empty MLA caches: what a
+        prefix-cache checkpoint keeps of a position passed while decoding, without holding the context's caches (or
+        the batch they are views of) alive. `with_attention` puts the caches back."""
+        layers = [_map(s, torch.clone) if isinstance(s, KDAState) else MLACache(s.latent[:, :0].clone(),
+                                                                                s.shared_key[:, :0].clone())
+                  for s in self.layers]
+        return DecoderState(layers, None if self.depth is None else self.depth.clone(), self.position)
+
+    def with_attention(self, later: DecoderState) -> DecoderState:
+        """This (`recurrent`) state with the MLA caches of ``later``, a continuation of it, cut at this position."""
+        if later.position < self.position or later.padding is not None:
+            raise ValueError(f"with_attention: needs an unpadded continuation at position >= {self.position}, got "
+                             f"{later.position}")
+        n = self.position
+        layers = [s if isinstance(s, KDAState) else MLACache(a.latent[:, :n], a.shared_key[:, :n])
+                  for s, a in zip(self.layers, later.layers, strict=True)]
+        return DecoderState(layers, self.depth, self.position)
+
     def to(self, device: torch.device | str | None = None) -> DecoderState:
         return self.apply(lambda t: t.to(device))
 

@@ -12,6 +12,7 @@ import torch
 
 import serving
 from k3.model.draft import DraftConfig, EagleDraft
+from k3.model.sequence.kda import KDAState
 from k3.serve.engine import Engine, SamplingParams
 from k3.serve.engine.cache import PrefixCache
 from k3.serve.engine.drafting import EagleDrafter
@@ -92,6 +93,30 @@ def test_each_turn_resumes_after_the_previous_answer(model, tok):
     finally:
         on.stop()
         off.stop()
+
+
+def test_a_boundary_kept_while_decoding_holds_neither_the_batch_nor_the_context(model, tok):
+    """What a request keeps of the last block boundary it passed (for its finish) is its own copy of the KDA states
+    and depth sources: not a view of the stacked batch, and no MLA cache."""
+    rng = random.Random(15)
+    e = engine(model, tok)
+    params = SamplingParams(max_tokens=60, temperature=0)
+    e.add_requests([(words(rng, 40 + 10 * i), params, None, None) for i in range(3)])
+    seen = 0
+    try:
+        while e.has_work():
+            e.step()
+            for request in e.running.values():
+                if request.boundary is None:
+                    continue
+                seen += 1
+                for layer in request.boundary.layers:
+                    for t in (layer.conv, layer.recurrent) if isinstance(layer, KDAState) else (layer.latent,):
+                        assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
+                        assert isinstance(layer, KDAState) or t.shape[1] == 0
+    finally:
+        e.stop()
+    assert seen > 0
 
 
 def test_a_first_turn_makes_no_extra_model_call(model, tok, monkeypatch):

@@ -121,7 +121,7 @@ class Request:
     cuts: list[int] = field(default_factory=list)  # prompt positions where prefill chunks end (cache checkpoints)
     marks: tuple[int, ...] = ()  # prompt positions the caller asks to checkpoint (a chat's shared head)
     resumed: bytes | None = None  # the key of the prefix-cache checkpoint the request resumed from
-    boundary: DecoderState | None = None  # the state at the last block boundary passed while decoding
+    boundary: DecoderState | None = None  # the recurrent state at the last block boundary decoding landed on
     images: list[VisualInput] | None = None  # what fills the prompt's media placeholders, in order
     image_key: str | None = None  # digest of the prompt's images: prefixes are shared only with the same images
     embeds: Tensor | None = None  # [T, d] prompt embeddings with the images encoded in (at the first prefill)

@@ -130,7 +130,7 @@ class Scheduler:
             return None
         if not read:
             if state.position % cache.block == 0 and state.position > len(request.prompt):
-                request.boundary = state
+                request.boundary = state.recurrent()
             return None
         key = None
         if request.prefilled in request.cuts:
@@ -148,7 +148,7 @@ class Scheduler:
         consumed = (request.prompt + request.output_ids)[:request.state.position]
         boundary = request.boundary if request.boundary and request.boundary.position <= len(consumed) else None
         if boundary is not None:
-            cache.insert(consumed[:boundary.position], boundary, request.salt)
+            cache.insert(consumed[:boundary.position], boundary.with_attention(request.state), request.salt)
         whole = len(consumed) // cache.block * cache.block
         if whole > max(len(request.prompt), 0 if boundary is None else boundary.position):
             cache.insert(consumed[:whole], request.state, request.salt, checkpoint=False)
