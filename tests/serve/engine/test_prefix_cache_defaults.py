@@ -77,8 +77,8 @@ def test_a_shared_prefix_of_1_to_8_blocks_is_reused(model, tok, blocks):
 
 
 def test_each_turn_resumes_after_the_previous_answer(model, tok):
-    """Turn n + 1 = turn n's prompt, its answer and a new message: it resumes at the last block boundary that turn n
-    passed (its decoding's, or its prompt's when the answer is too short to pass one)."""
+    """Turn n + 1 = turn n's prompt, its answer and a new message: it resumes exactly where turn n's state stood
+    (its answer but the last token, which is sampled and never fed), mostly inside a block (a tail checkpoint)."""
     rng = random.Random(11)
     history = words(rng, 150)
     on, off = engine(model, tok), engine(model, tok, cache=False)
@@ -87,7 +87,7 @@ def test_each_turn_resumes_after_the_previous_answer(model, tok):
         for turn, max_tokens in enumerate([70, 8, 90, 5, 40]):
             [(tokens, cached)] = run(on, [history], max_tokens)
             assert tokens == run(off, [history], max_tokens)[0][0]
-            assert cached == reached // BLOCK * BLOCK, f"turn {turn}"
+            assert cached == reached, f"turn {turn}"
             reached = len(history) + len(tokens) - 1  # what the state consumed: the last token is never fed
             history = history + tokens + words(rng, 25)
     finally:
@@ -139,11 +139,13 @@ def test_a_first_turn_makes_no_extra_model_call(model, tok, monkeypatch):
     assert counts[0] == counts[1]
 
 
-def test_a_marked_head_is_checkpointed_for_the_next_conversation(model, tok):
+@pytest.mark.parametrize("length", [40, 300])
+def test_a_marked_head_is_checkpointed_for_the_next_conversation(model, tok, length):
     """A chat's shared head (its system messages, `k3.chat.shared_head`) is a mark: the first conversation
-    checkpoints it, and a second conversation's first turn resumes there."""
+    checkpoints it exactly (inside a block: a tail checkpoint; shorter than a block too), and a second
+    conversation's first turn resumes there and answers as without the cache."""
     rng = random.Random(13)
-    head = words(rng, 300)
+    head = words(rng, length)
     first, second = head + words(rng, 40), head + words(rng, 50)
     e = engine(model, tok)
     try:
@@ -154,7 +156,8 @@ def test_a_marked_head_is_checkpointed_for_the_next_conversation(model, tok):
                 e.add_requests([(prompt, params, None, None)], marks=(len(head),))
                 while e.has_work():
                     e.step()
-        assert out[-1].cached_tokens == len(head) // BLOCK * BLOCK
+        assert out[-1].cached_tokens == len(head)
+        assert [t for o in out for t in o.token_ids] == run(engine(model, tok, cache=False), [second], 80)[0][0]
     finally:
         e.stop()
 

@@ -12,17 +12,21 @@ budget and one LRU order:
   own (the shared blocks stay where they are);
 * a **KDA checkpoint**: the model's whole non-attention state exactly after a block boundary — every KDA layer's
   recurrent state and ShortConv window, and the AttnRes depth sources of the last position. Restoring a hybrid
-  model at a boundary needs one; a boundary without one cannot be resumed however many pages match.
+  model at a boundary needs one; a boundary without one cannot be resumed however many pages match;
+* a **tail checkpoint**: a KDA checkpoint ``r`` tokens (0 < r < ``block_tokens``) past a block boundary, with the MLA
+  rows of those ``r`` tokens, keyed by the boundary's block key and the tail's token ids. It resumes a request at a
+  position no block boundary reaches: a chat message's end (a shared head, the end of a finished answer).
 
 Where checkpoints are written (`cuts`, issue 36): every ``checkpoint_every`` blocks; at the **matched frontier**
 (SGLang's branch-point rule: a request whose prompt matches pages past its last usable checkpoint cuts its prefill
 there, so the next request sharing that prefix resumes at it — no floor of ``checkpoint_every`` blocks); and at
-positions the caller marks (a rendered chat's shared head, the K3 report's turn-boundary rule). A prompt's pages are
-written when its prefill ends, and a finished request's generated tokens too (`insert` with the state at the last
-block boundary it passed), so a conversation's next turn prefills only its new message.
+positions the caller marks, exactly (a rendered chat's shared head, the K3 report's turn-boundary rule: a tail
+checkpoint when the mark is inside a block). A prompt's pages are written when its prefill ends, and a finished
+request's generated tokens too, with a checkpoint exactly where its state stands (`insert` of a whole conversation
+so far), so a conversation's next turn prefills only its new message.
 
-`lookup` finds the longest run of matching pages, then the longest boundary within it that has a checkpoint
-(SPEC §8's 2,800-token hit that resumes at 2,560), and builds the request's private `DecoderState`: pages are
+`lookup` finds the longest run of matching pages, then the furthest position within it that has a checkpoint —
+a tail past a matched boundary, else a boundary (SPEC §8's 2,800-token hit that resumes at 2,560) — and builds the request's private `DecoderState`: pages are
 concatenated into new MLA caches and checkpoint tensors are shared read-only (the model never writes into a
 state it was given; every forward returns new tensors). Hit entries stay pinned until the request ends
 (`release`) and are never evicted while pinned. Entries are added only after the chunk that produced them
@@ -68,6 +72,7 @@ class _Entry:
     nbytes: int
     pins: int = 0
     slots: dict[int, bytes] = field(default_factory=dict)  # a page: slot -> the block key written there
+    tail: tuple[bytes, int] | None = None  # a tail checkpoint: (the block key it follows, its length)
 
 
 @dataclass
@@ -99,6 +104,7 @@ class PrefixCache:
         self.stats = CacheStats()
         self._entries: OrderedDict[tuple[str, bytes], _Entry] = OrderedDict()  # LRU first
         self._blocks: dict[bytes, tuple[tuple[str, bytes], int]] = {}  # written block -> (its page, slot)
+        self._tails: dict[bytes, dict[int, int]] = {}  # block key (or the root) -> {tail length: tails of it}
         self._bytes = 0
         self._lock = threading.Lock()
 
@@ -115,9 +121,13 @@ class PrefixCache:
                    page_blocks)
 
     # ------------------------------------------------------------------ keys and boundaries
+    def root(self, salt: str | None = None) -> bytes:
+        """The key every chain of ``salt`` starts from (what a tail at position < ``block`` follows)."""
+        return hashlib.sha256(f"k3-prefix|{self.namespace}|{salt or ''}".encode()).digest()
+
     def hashes(self, tokens: list[int], salt: str | None = None) -> list[bytes]:
         """The chained key of every full hash block of ``tokens``."""
-        out, parent = [], hashlib.sha256(f"k3-prefix|{self.namespace}|{salt or ''}".encode()).digest()
+        out, parent = [], self.root(salt)
         for start in range(0, len(tokens) - self.block + 1, self.block):
             h = hashlib.sha256(parent)
             h.update(b"".join(t.to_bytes(4, "little") for t in tokens[start:start + self.block]))
@@ -125,18 +135,28 @@ class PrefixCache:
             out.append(parent)
         return out
 
+    def _tail_keys(self, parent: bytes, tokens: list[int], lengths: set[int] | dict[int, int]) -> dict[int, bytes]:
+        """The key of each tail of ``tokens`` (the tokens after ``parent``'s boundary) whose length is in
+        ``lengths``: one incremental hash over at most ``block - 1`` tokens."""
+        h, out = hashlib.sha256(b"tail|" + parent), {}
+        for r, token in enumerate(tokens[:self.block - 1], 1):
+            h.update(token.to_bytes(4, "little"))
+            if r in lengths:
+                out[r] = h.copy().digest()
+        return out
+
     def cuts(self, prompt_tokens: int, frontier: int = 0, marks: list[int] | tuple[int, ...] = (),
              max_tokens: int = 0) -> list[int]:
         """Where a prompt's prefill is cut and checkpointed (module docstring): every ``checkpoint_every`` blocks, the
-        matched ``frontier``, the block boundary at or before each of ``marks``, and the prompt's last block boundary
-        when decoding ``max_tokens`` cannot pass another one (the request's last chance to leave a checkpoint near its
-        end) — all before the prompt's last token (a resumed request must still compute that token's logits)."""
+        matched ``frontier``, each of ``marks`` (a tail checkpoint inside a block), and the prompt's last block
+        boundary when decoding ``max_tokens`` cannot pass another one (the request's last chance to leave a checkpoint
+        near its end) — all before the prompt's last token (a resumed request must still compute its logits)."""
         last = (prompt_tokens - 1) // self.block * self.block
         every = self.block * self.checkpoint_every
-        due = {*range(every, last + 1, every), frontier, *(m // self.block * self.block for m in marks)}
+        due = {*range(every, last + 1, every), frontier, *marks}
         if prompt_tokens % self.block and last + self.block > prompt_tokens + max_tokens - 1:
             due.add(last)
-        return sorted(c for c in due if 0 < c <= last)
+        return sorted(c for c in due if 0 < c < prompt_tokens)
 
     def sizes(self) -> dict[str, float]:
         """Bytes per cached token: of an MLA page, of a KDA checkpoint spread over the ``checkpoint_every`` blocks it
@@ -169,7 +189,7 @@ class PrefixCache:
 
     # ------------------------------------------------------------------ lookup
     def lookup(self, tokens: list[int], salt: str | None = None) -> Hit | None:
-        """The longest reusable prefix of ``tokens`` (at most ``len(tokens) - 1`` tokens), pinned; None when no page
+        """The longest reusable prefix of ``tokens`` (at most ``len(tokens) - 1`` tokens), pinned; None when nothing
         matches."""
         keys = self.hashes(tokens[:-1], salt)
         with self._lock:
@@ -179,22 +199,43 @@ class PrefixCache:
             while matched < len(keys) and keys[matched] in self._blocks:
                 matched += 1
             blocks = next((j for j in range(matched, 0, -1) if ("checkpoint", keys[j - 1]) in self._entries), 0)
-            if blocks == 0:
+            blocks, tail = self._furthest_tail(tokens, keys, matched, blocks, salt)
+            if blocks == 0 and tail is None:
                 return Hit(0, None, frontier=matched * self.block) if matched else None
+            checkpoint = ("checkpoint", keys[blocks - 1]) if tail is None else tail
             places = [self._blocks[k] for k in keys[:blocks]]
-            hit_keys = list(dict.fromkeys(page for page, _ in places)) + [("checkpoint", keys[blocks - 1])]
+            hit_keys = list(dict.fromkeys(page for page, _ in places)) + [checkpoint]
             for key in reversed(hit_keys):  # the chain's first page ends most recently used
                 self._entries[key].pins += 1
                 self._entries.move_to_end(key)
-            state = self._restore(places, self._entries[("checkpoint", keys[blocks - 1])], blocks * self.block)
+            length = blocks * self.block + (0 if tail is None else self._entries[tail].tail[1])
+            state = self._restore(places, self._entries[checkpoint], length)
             self.stats.hits += 1
-            self.stats.tokens_reused += blocks * self.block
-        return Hit(blocks * self.block, state, hit_keys, matched * self.block)
+            self.stats.tokens_reused += length
+        return Hit(length, state, hit_keys, matched * self.block)
+
+    def _furthest_tail(self, tokens: list[int], keys: list[bytes], matched: int, blocks: int, salt: str | None
+                       ) -> tuple[int, tuple[str, bytes] | None]:
+        """The furthest tail checkpoint that follows a matched boundary at or past ``blocks`` (the furthest block
+        checkpoint) and ends before the last token: (its boundary in blocks, its key), else (``blocks``, None)."""
+        for b in range(matched, blocks - 1, -1):
+            parent = keys[b - 1] if b else self.root(salt)
+            lengths = {r for r in self._tails.get(parent, ()) if b * self.block + r < len(tokens)}
+            found = self._tail_keys(parent, tokens[b * self.block:], lengths) if lengths else {}
+            for r in sorted(found, reverse=True):
+                if ("tail", found[r]) in self._entries:
+                    return b, ("tail", found[r])
+        return blocks, None
 
     def _restore(self, places: list[tuple[tuple[str, bytes], int]], checkpoint: _Entry, length: int) -> DecoderState:
-        kda = iter(zip(checkpoint.tensors[1::2], checkpoint.tensors[2::2]))  # (conv, recurrent) per KDA layer
+        """The state of a hit: the MLA rows of ``places`` (and of a tail checkpoint's tokens), the checkpoint's KDA
+        states and depth sources."""
+        kda_layers = self.kinds.count("kda")
+        kda = iter(zip(checkpoint.tensors[1:1 + 2 * kda_layers:2], checkpoint.tensors[2:2 + 2 * kda_layers:2]))
         rows = [(self._entries[page].tensors, slice(slot * self.block, (slot + 1) * self.block))
                 for page, slot in places]
+        if checkpoint.tail is not None:
+            rows.append((checkpoint.tensors[1 + 2 * kda_layers:], slice(None)))
         layers, mla = [], 0
         for kind in self.kinds:
             if kind == "kda":
@@ -219,15 +260,16 @@ class PrefixCache:
     # ------------------------------------------------------------------ insertion
     def insert(self, tokens: list[int], state: DecoderState, salt: str | None = None,
                checkpoint: bool = True) -> bytes | None:
-        """Store the prefix ``tokens`` (a whole number of blocks) of a batch-1 ``state`` that consumed them (and maybe
-        more): the MLA pages of its blocks not cached yet, and unless ``checkpoint`` is False a KDA checkpoint at their
-        end (``state`` must then stand exactly there). Returns the checkpoint's key (None without one)."""
-        if len(tokens) % self.block or state.position < len(tokens) or state.batch_size != 1 or \
-                checkpoint and state.position != len(tokens):
-            raise ValueError(f"prefix cache: insert needs a batch-1 state at (or, for pages only, past) a block "
-                             f"boundary, got {len(tokens)} tokens, position {state.position}, batch {state.batch_size}")
+        """Store the prefix ``tokens`` of a batch-1 ``state`` that consumed them (and maybe more): the MLA pages of
+        their full blocks not cached yet, and unless ``checkpoint`` is False a checkpoint at their end (``state`` must
+        then stand exactly there) — a tail checkpoint when they end inside a block. Returns the checkpoint's key
+        (None without one)."""
+        if state.position < len(tokens) or state.batch_size != 1 or checkpoint and state.position != len(tokens):
+            raise ValueError(f"prefix cache: insert needs a batch-1 state at (or, for pages only, past) the end of the "
+                             f"tokens, got {len(tokens)} tokens, position {state.position}, batch {state.batch_size}")
         keys = self.hashes(tokens, salt)
-        if not keys:
+        tail = len(tokens) % self.block
+        if not keys and not (checkpoint and tail):
             return None
         mla = [s for s in state.layers if isinstance(s, MLACache)]
         with self._lock:
@@ -238,11 +280,30 @@ class PrefixCache:
                 touched.append(self._blocks[key][0])
             for page in reversed(list(dict.fromkeys(touched))):  # later pages are evicted first
                 self._entries.move_to_end(page)
-            if checkpoint and ("checkpoint", keys[-1]) not in self._entries:
-                self._add(("checkpoint", keys[-1]), self._checkpoint(state))
-                self.stats.checkpoints_added += 1
+            key = None
+            if checkpoint and tail:
+                key = self._add_tail(keys[-1] if keys else self.root(salt), tokens[len(tokens) - tail:], state, mla)
+            elif checkpoint:
+                key = ("checkpoint", keys[-1])
+                if key not in self._entries:
+                    self._add(key, self._checkpoint(state))
+                    self.stats.checkpoints_added += 1
             self._evict()
-        return keys[-1] if checkpoint else None
+        return None if key is None else key[1]
+
+    def _add_tail(self, parent: bytes, tail: list[int], state: DecoderState, mla: list[MLACache]
+                  ) -> tuple[str, bytes]:
+        """A tail checkpoint of the ``tail`` tokens after ``parent``'s boundary (caller holds the lock)."""
+        key = ("tail", self._tail_keys(parent, tail, {len(tail)})[len(tail)])
+        if key not in self._entries:
+            rows = slice(state.position - len(tail), state.position)
+            self._add(key, self._checkpoint(state) + tuple(t[:, rows].clone() for s in mla
+                                                              for t in (s.latent, s.shared_key)))
+            self._entries[key].tail = (parent, len(tail))
+            lengths = self._tails.setdefault(parent, {})
+            lengths[len(tail)] = lengths.get(len(tail), 0) + 1
+            self.stats.checkpoints_added += 1
+        return key
 
     def _write_block(self, keys: list[bytes], i: int, mla: list[MLACache]) -> None:
         """Write block ``i`` into its chain's page for this page range: the previous block's page when that page
@@ -284,5 +345,13 @@ class PrefixCache:
             entry = self._entries.pop(key)
             for block in entry.slots.values():  # a page's blocks stop matching with it
                 self._blocks.pop(block, None)
+            if entry.tail is not None:
+                parent, length = entry.tail
+                lengths = self._tails[parent]
+                lengths[length] -= 1
+                if not lengths[length]:
+                    del lengths[length]
+                if not lengths:
+                    del self._tails[parent]
             self._bytes -= entry.nbytes
             self.stats.evictions += 1

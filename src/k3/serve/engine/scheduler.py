@@ -5,8 +5,8 @@ Waiting requests are kept per *group* (the choices of one HTTP request) and grou
 bounded (`QueueFull`). An admitted request starts from an empty state, or from the longest cached prefix of its
 prompt (`PrefixCache`; not when it wants prompt log-probabilities, which need every position's logits). The cache
 learns from every request (issue 36): checkpoints at its cuts, its prompt's pages when the prefill ends, and when it
-finishes (stop or length) the pages of what it generated with a checkpoint at the last block boundary its decoding
-passed, so a conversation's next turn resumes after this answer.
+finishes (stop or length) the pages of what it generated with a checkpoint exactly where its state stands, so a
+conversation's next turn resumes right after this answer.
 
 `schedule` returns a `StepPlan`: every request with a sampled token pending decodes, and the prefilling requests
 read pieces of at most ``prefill_chunk`` prompt tokens in all, in arrival order (``idle_prefill`` when nothing
@@ -136,16 +136,18 @@ class Scheduler:
         if request.prefilled in request.cuts:
             key = cache.insert(request.prompt[:request.prefilled], state, request.salt)
         if request.prompt_done:
-            whole = len(request.prompt) // cache.block * cache.block
-            cache.insert(request.prompt[:whole], state, request.salt, checkpoint=whole == len(request.prompt))
+            cache.insert(request.prompt, state, request.salt, checkpoint=len(request.prompt) % cache.block == 0)
         return key
 
     def _keep_output(self, request: Request) -> None:
-        """The pages of everything the finished ``request`` consumed, and a checkpoint at the last block boundary its
-        decoding passed."""
+        """The pages of everything the finished ``request`` consumed and a checkpoint exactly where its state stands;
+        when the state stands past the emitted tokens (a stop inside a verified run), the checkpoint is the last
+        block boundary its decoding passed."""
         cache = self.prefix_cache
-        # a stop inside a verified run leaves the state past the emitted tokens: only those are known to be kept
         consumed = (request.prompt + request.output_ids)[:request.state.position]
+        if len(consumed) == request.state.position:
+            cache.insert(consumed, request.state, request.salt)
+            return
         boundary = request.boundary if request.boundary and request.boundary.position <= len(consumed) else None
         if boundary is not None:
             cache.insert(consumed[:boundary.position], boundary.with_attention(request.state), request.salt)
