@@ -27,12 +27,12 @@ so far), so a conversation's next turn prefills only its new message.
 
 `lookup` finds the longest run of matching pages, then the furthest position within it that has a checkpoint — a
 tail past a matched boundary, else a boundary (SPEC §8's 2,800-token hit that resumes at 2,560) — and builds the
-request's private `DecoderState`: pages are concatenated into new MLA caches and checkpoint tensors are shared read-
-only (the model never writes into a state it was given; every forward returns new tensors). Hit entries stay pinned
-until the request ends (`release`) and are never evicted while pinned. Entries are added only after the chunk that
-produced them completed, so an aborted prefill leaves nothing half-written; a checkpoint is one entry, so its layers
-are evicted together. Eviction is least-recently-used among unpinned entries, later blocks of a chain before earlier
-ones (so chains shrink from the end).
+request's private `DecoderState`: pages are concatenated into new MLA caches and checkpoint tensors are shared
+read-only (the model never writes into a state it was given; every forward returns new tensors). Hit entries stay
+pinned until the request ends (`release`) and are never evicted while pinned. Entries are added only after the chunk
+that produced them completed, so an aborted prefill leaves nothing half-written; a checkpoint is one entry, so its
+layers are evicted together. Eviction is least-recently-used among unpinned entries, later blocks of a chain before
+earlier ones (so chains shrink from the end).
 """
 
 from __future__ import annotations
