@@ -45,13 +45,59 @@ def target_dir(tmp_path_factory) -> Path:
 
 
 def test_default_feature_layers():
+    tiny = preset("tiny")
     assert default_feature_layers(93) == (2, 46, 90)
     assert default_feature_layers(8) == (2, 4, 5)
     assert default_feature_layers(4) == (1, 2, 3)  # tiny: clamped inside [0, L)
     with pytest.raises(ValueError, match="feature_layers"):
-        DraftConfig(feature_layers=(0, 1, 4)).resolved(4)
+        DraftConfig(feature_layers=(0, 1, 4)).resolved(tiny)
     with pytest.raises(ValueError, match="layer_kind"):
-        DraftConfig(layer_kind="rnn").resolved(4)
+        DraftConfig(layer_kind="rnn").resolved(tiny)
+
+
+def test_default_features_are_the_outputs_of_attnres_blocks_1_4_and_the_last():
+    """The K3 report's feature points (issue 36): the paper's 93 layers in blocks of 12 end blocks 1, 4 and 8 at
+    layers 11, 47 and 92; ``small`` (3 blocks of 3, 3, 2 layers) takes blocks 1, 2, 3; a target of two blocks
+    falls back to EAGLE-3's layer inputs."""
+    assert DraftConfig().resolved(preset("paper")) == DraftConfig((11, 47, 92), "mla", None, "blocks")
+    small = preset("small")
+    assert DraftConfig().resolved(small) == DraftConfig((2, 5, 7), "mla", None, "blocks")
+    assert DraftConfig(feature_source="inputs").resolved(small).feature_layers == (2, 4, 5)
+    tiny = preset("tiny")
+    assert DraftConfig().resolved(tiny) == DraftConfig((1, 2, 3), "mla", None, "inputs")
+    with pytest.raises(ValueError, match="feature_source = 'blocks' needs"):
+        DraftConfig(feature_source="blocks").resolved(tiny)
+    with pytest.raises(ValueError, match="end an AttnRes block"):
+        DraftConfig((2, 4, 7), feature_source="blocks").resolved(small)
+    with pytest.raises(ValueError, match="feature_source"):
+        DraftConfig(feature_source="outputs").resolved(small)
+
+
+def test_a_block_feature_is_the_sum_of_its_layers_outputs():
+    """What "blocks" captures at a block's last layer is that block's output: the sum of its layers' sequence-mixer
+    and FFN outputs (read here with forward hooks), the model's last, partial block included."""
+    tiny = preset("tiny")
+    config = replace(tiny, num_layers=7, attn_res=replace(tiny.attn_res, block_size=3))
+    torch.manual_seed(0)
+    target = K3ForCausalLM(config).eval()
+    outputs: dict[int, torch.Tensor] = {}
+
+    def keep(i):
+        def hook(module, args, out):
+            out = out[0] if isinstance(out, tuple) else out
+            outputs[i] = outputs.get(i, 0) + out
+        return hook
+
+    hooks = [m.register_forward_hook(keep(i)) for i, layer in enumerate(target.layers) for m in (layer.mixer,
+                                                                                               layer.ffn)]
+    draft = EagleDraft(target)
+    assert draft.config.feature_layers == (2, 5, 6) and draft.config.feature_source == "blocks"
+    with torch.no_grad():
+        features, _ = target_outputs(target, draft.config.feature_layers, torch.randint(0, 512, (2, 9)), "blocks")
+    for hook in hooks:
+        hook.remove()
+    for feature, block in zip(features, [range(0, 3), range(3, 6), range(6, 7)], strict=True):
+        torch.testing.assert_close(feature, sum(outputs[i] for i in block), rtol=1e-5, atol=1e-5)
 
 
 def test_fusion_starts_as_the_high_feature(model):

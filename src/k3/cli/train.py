@@ -73,7 +73,8 @@ def _train_draft(args: argparse.Namespace) -> int:
     config = DraftTrainConfig(
         ckpt=args.ckpt, out=args.out, steps=args.steps, seq_len=args.seq_len, batch_size=args.batch_size,
         lr=args.lr, seed=args.seed, data=args.data or [], layer_kind=args.layer_kind,
-        feature_layers=args.feature_layers, draft_vocab=args.draft_vocab, ckpt_every=args.ckpt_every,
+        feature_layers=args.feature_layers, feature_source=args.feature_source, draft_vocab=args.draft_vocab,
+        ckpt_every=args.ckpt_every,
         max_minutes=args.max_minutes, threads=args.threads, progress=not args.no_progress,
         data_limit_bytes=None if args.data_limit_mb is None else int(args.data_limit_mb * 2**20),
     )
@@ -197,7 +198,11 @@ def _add_train_draft(commands: argparse._SubParsersAction) -> None:
     td.add_argument("--data-limit-mb", type=float, help="use at most this much of the standard-library corpus")
     td.add_argument("--layer-kind", choices=("mla", "kda"), default="mla", help="the draft's sequence mixer")
     td.add_argument("--feature-layers", type=int, nargs=3, metavar=("LOW", "MID", "HIGH"),
-                    help="0-based target layers whose retrieved inputs are fused (default: 2, L//2, L-3)")
+                    help="0-based target layers where the fused features are captured (default: the last layers of "
+                    "AttnRes blocks 1, 4 and the last; with --feature-source inputs: 2, L//2, L-3)")
+    td.add_argument("--feature-source", choices=("blocks", "inputs"),
+                    help="the features: outputs of the AttnRes blocks the feature layers end (the K3 report's; the "
+                    "default for a target of at least three blocks) or the layers' retrieved inputs (EAGLE-3's)")
     td.add_argument("--draft-vocab", type=positive(int), help="reduced draft vocabulary: the corpus's most "
                     "frequent target tokens (default: the target's whole vocabulary)")
     td.add_argument("--ckpt-every", type=positive(int), default=100)

@@ -67,6 +67,11 @@ class BlockAttnRes:
                                 self.block_size, self.eps)
         return BlockAttnRes(self.sources, self.keys, partial, self.count + 1, self.block_size, self.eps)
 
+    def block_output(self) -> Tensor:
+        """The output of the block the last committed layer belongs to: its sum when that layer completed it,
+        else the partial sum so far (a model's last, partial block)."""
+        return self.sources[-1] if self.partial is None else self.partial
+
     def stacked(self) -> Tensor:
         """All current sources ``[S, ...]`` (embedding, completed blocks, non-empty partial)."""
         return torch.stack(self._with(self.partial)[0])
@@ -90,6 +95,10 @@ class Residual:
 
     def commit(self, a: Tensor, f: Tensor) -> Residual:
         return Residual(self.stream + a + f)
+
+    def block_output(self) -> Tensor:
+        """The stream after the last committed layer (every layer is its own block)."""
+        return self.stream
 
     def stacked(self) -> Tensor:
         return self.stream.unsqueeze(0)

@@ -1,8 +1,10 @@
 """The EAGLE-3 draft model for speculative decoding (SPEC §8).
 
-The draft reads the target's features at a low, a middle and a high layer: each is that layer's *retrieved
-input* — the Block AttnRes stream the layer reads before its mixer norm (`K3ForCausalLM.capture`), i.e. the
-target's view of the sequence so far at that depth. Per position::
+The draft reads the target's features at a low, a middle and a high depth (`K3ForCausalLM.capture`). Where the K3
+report takes them (issue 36), they are the **outputs of AttnRes blocks 1, 4 and the last** (``feature_source``
+"blocks": each block's sum, the depth source later layers retrieve; a target of 3–4 blocks takes blocks 1, the
+middle and the last). EAGLE-3's own rule, for targets without three AttnRes blocks, is the *retrieved input* of
+layers ``(2, L//2, L−3)`` ("inputs": the stream a layer reads before its mixer norm). Per position::
 
     F   = W_fuse [f_low ; f_mid ; f_high]                      # W_fuse initialised [0 0 I]: F = f_high at init
     z   = W_in [RMSNorm(embed(token)) ; RMSNorm(h)]            # h = F, or the draft's own previous output
@@ -29,6 +31,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from k3.config import K3Config
 from k3.files import atomic_write, write_text
 from k3.model import checkpoint as model_checkpoint
 from k3.model.checkpoint import atomic_directory, non_finite, read_verified_json, verified
@@ -38,14 +41,16 @@ from k3.model.sequence.kda import KDALayer, KDAState
 from k3.model.sequence.mla import GatedMLA, MLACache
 from k3.model.width import GLU
 
-__all__ = ["DraftConfig", "DraftState", "EagleDraft", "default_feature_layers"]
+__all__ = ["DraftConfig", "DraftState", "EagleDraft", "block_ends", "default_feature_blocks",
+           "default_feature_layers"]
 
 DRAFT_WEIGHTS, DRAFT_CONFIG = "draft.safetensors", "draft.json"
-DRAFT_FORMAT, DRAFT_VERSION = "k3-eagle3-draft", 1
+DRAFT_FORMAT, DRAFT_VERSION = "k3-eagle3-draft", 2
 LAYER_KINDS = ("mla", "kda")
+FEATURE_SOURCES = ("blocks", "inputs")
 #: The target's config fields the draft is built from; a draft loads only onto a target that agrees on them.
 TARGET_FIELDS = ("vocab_size", "hidden_size", "num_layers", "rms_norm_eps", "kda", "mla", "situ", "moe.dense_hidden",
-                 "moe.activation")
+                 "moe.activation", "attn_res")
 
 DraftState = KDAState | MLACache
 
@@ -58,29 +63,62 @@ def default_feature_layers(num_layers: int) -> tuple[int, int, int]:
     return num_layers // 4, num_layers // 2, num_layers - 1
 
 
+def block_ends(config: K3Config) -> list[int]:
+    """The last layer (0-based) of each AttnRes block of ``config``'s target, the last block maybe partial; [] without
+    AttnRes."""
+    if not config.attn_res.enabled:
+        return []
+    size = config.attn_res.block_size
+    return [min(end, config.num_layers) - 1 for end in range(size, config.num_layers + size, size)]
+
+
+def default_feature_blocks(num_blocks: int) -> tuple[int, int, int] | None:
+    """The K3 report's AttnRes blocks ``(1, 4, last)`` (1-based); ``(1, middle, last)`` for 3–4 blocks; None below."""
+    if num_blocks >= 5:
+        return 1, 4, num_blocks
+    return (1, (num_blocks + 1) // 2, num_blocks) if num_blocks >= 3 else None
+
+
 @dataclass
 class DraftConfig:
-    """``feature_layers``: the target layers (0-based) whose retrieved inputs are fused, low to high (None: the
-    `default_feature_layers`); ``layer_kind``: the draft's mixer, "mla" or "kda"; ``draft_vocab_size``: the size of
-    a reduced draft vocabulary (None: the target's)."""
+    """``feature_layers``: the target layers (0-based) where the three features are captured, low to high;
+    ``feature_source``: what is captured there — "blocks", the output of the AttnRes block each layer ends, or
+    "inputs", each layer's retrieved input (None for both: the module docstring's defaults); ``layer_kind``: the
+    draft's mixer, "mla" or "kda"; ``draft_vocab_size``: the size of a reduced draft vocabulary (None: the
+    target's)."""
 
     feature_layers: tuple[int, int, int] | None = None
     layer_kind: str = "mla"
     draft_vocab_size: int | None = None
+    feature_source: str | None = None
 
-    def resolved(self, num_layers: int) -> DraftConfig:
-        """This config with explicit feature layers, checked against a target of ``num_layers`` layers."""
-        layers = default_feature_layers(num_layers) if self.feature_layers is None else tuple(self.feature_layers)
+    def resolved(self, target: K3Config) -> DraftConfig:
+        """This config with explicit feature layers and source, checked against the ``target``'s config."""
+        ends, num_layers = block_ends(target), target.num_layers
+        source = self.feature_source or ("blocks" if default_feature_blocks(len(ends)) else "inputs")
+        if source not in FEATURE_SOURCES:
+            raise ValueError(f"draft.feature_source = {source!r} is invalid: must be one of {FEATURE_SOURCES}")
+        layers = self.feature_layers
+        if layers is None and source == "blocks":
+            blocks = default_feature_blocks(len(ends))
+            if blocks is None:
+                raise ValueError(f"draft.feature_source = 'blocks' needs a target of at least three AttnRes blocks; "
+                                 f"this one has {len(ends)}")
+            layers = tuple(ends[b - 1] for b in blocks)
+        layers = default_feature_layers(num_layers) if layers is None else tuple(layers)
         if len(layers) != 3 or not all(isinstance(i, int) and 0 <= i < num_layers for i in layers):
             raise ValueError(f"draft.feature_layers = {self.feature_layers!r} is invalid: must be three layer "
                              f"indices in [0, {num_layers})")
+        if source == "blocks" and ends and not set(layers) <= set(ends):
+            raise ValueError(f"draft.feature_layers = {layers!r} is invalid for feature_source 'blocks': each must "
+                             f"end an AttnRes block (layers {ends})")
         if self.layer_kind not in LAYER_KINDS:
             raise ValueError(f"draft.layer_kind = {self.layer_kind!r} is invalid: must be one of {LAYER_KINDS}")
         if self.draft_vocab_size is not None and not (isinstance(self.draft_vocab_size, int)
                                                       and self.draft_vocab_size > 0):
             raise ValueError(f"draft.draft_vocab_size = {self.draft_vocab_size!r} is invalid: a positive integer "
                              f"or None")
-        return DraftConfig(layers, self.layer_kind, self.draft_vocab_size)
+        return DraftConfig(layers, self.layer_kind, self.draft_vocab_size, source)
 
 
 def _target_fields(target: K3ForCausalLM) -> dict[str, Any]:
@@ -107,7 +145,7 @@ class EagleDraft(nn.Module):
     def __init__(self, target: K3ForCausalLM, config: DraftConfig | None = None, d2t: Tensor | None = None) -> None:
         super().__init__()
         cfg = target.config
-        self.config = (config or DraftConfig()).resolved(cfg.num_layers)
+        self.config = (config or DraftConfig()).resolved(cfg)
         # A reference, not a submodule: the target's weights are not the draft's parameters nor in its state dict.
         object.__setattr__(self, "target", target)
         d, eps = cfg.hidden_size, cfg.rms_norm_eps
@@ -242,7 +280,8 @@ class EagleDraft(nn.Module):
             if data.get("format") != DRAFT_FORMAT or data.get("version") != DRAFT_VERSION:
                 raise ValueError(f"expected format {DRAFT_FORMAT!r} version {DRAFT_VERSION}")
             saved = data["draft"]
-            config = DraftConfig(tuple(saved["feature_layers"]), saved["layer_kind"], saved["draft_vocab_size"])
+            config = DraftConfig(tuple(saved["feature_layers"]), saved["layer_kind"], saved["draft_vocab_size"],
+                                 saved["feature_source"])
             recorded = data["target"]
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
             raise ValueError(f"{path}: cannot read the draft config ({type(err).__name__}: {err})") from err

@@ -56,7 +56,7 @@ class DecoderLayer(nn.Module):
         # `attn_res.key_gain` each retrieval's key RMSNorm also has a learnable gain (the release's *_res_norm).
         self.mixer_query, self.mixer_key_gain = _attn_res_parameters(config)
         self.ffn_query, self.ffn_key_gain = _attn_res_parameters(config)
-        self.capture = False  # keep the retrieved input of the last call in `captured` (speculative drafts)
+        self.capture: str | None = None  # "inputs" / "blocks": keep a feature of the last call in `captured`
         self.captured: Tensor | None = None
 
     def forward(self, depth: BlockAttnRes | Residual, state, padding: Tensor | None = None, context=None):
@@ -74,7 +74,7 @@ class DecoderLayer(nn.Module):
         (before the norm: the layer's view of the model so far, the feature a speculative draft reads) is kept in
         ``captured``."""
         h = depth.retrieve(_query(self.mixer_query, self.mixer_key_gain))
-        if self.capture:
+        if self.capture == "inputs":
             self.captured = h
         return self.mixer_norm(h)
 
@@ -84,9 +84,14 @@ class DecoderLayer(nn.Module):
         return self.mixer(x, state, record) if self.kind == "kda" else self.mixer(x, state, padding=padding)
 
     def feed_forward(self, depth: BlockAttnRes | Residual, a: Tensor) -> BlockAttnRes | Residual:
-        """Retrieve after the mixer output ``a``, apply the FFN / MoE, commit both outputs."""
+        """Retrieve after the mixer output ``a``, apply the FFN / MoE, commit both outputs. While `capture` is
+        "blocks", the output of the AttnRes block this layer ends (`BlockAttnRes.block_output`) is kept in
+        ``captured``."""
         f = self.ffn(self.ffn_norm(depth.retrieve_after(a, _query(self.ffn_query, self.ffn_key_gain))))
-        return depth.commit(a, f)
+        depth = depth.commit(a, f)
+        if self.capture == "blocks":
+            self.captured = depth.block_output()
+        return depth
 
 
 class K3ForCausalLM(nn.Module):
@@ -175,17 +180,20 @@ class K3ForCausalLM(nn.Module):
         return h @ self.embed_tokens.weight.T if self.lm_head is None else self.lm_head(h)
 
     @contextlib.contextmanager
-    def capture(self, layers: list[int]) -> Iterator[list[DecoderLayer]]:
-        """Within the block, each of ``layers`` (0-based) keeps its retrieved input of the last call in
-        ``.captured`` ``[B, T, d]`` (for `forward_groups`, ``[1, N, d]`` over all groups' tokens)."""
+    def capture(self, layers: list[int], source: str = "inputs") -> Iterator[list[DecoderLayer]]:
+        """Within the block, each of ``layers`` (0-based) keeps a feature of the last call in ``.captured``
+        ``[B, T, d]`` (for `forward_groups`, ``[1, N, d]`` over all groups' tokens): its retrieved input
+        (``source`` "inputs") or the output of the AttnRes block it ends ("blocks", `k3.model.draft`)."""
+        if source not in ("inputs", "blocks"):
+            raise ValueError(f"capture: source must be 'inputs' or 'blocks', got {source!r}")
         chosen = [self.layers[i] for i in layers]
         for layer in chosen:
-            layer.capture, layer.captured = True, None
+            layer.capture, layer.captured = source, None
         try:
             yield chosen
         finally:
             for layer in chosen:
-                layer.capture, layer.captured = False, None
+                layer.capture, layer.captured = None, None
 
     def forward(self, input_ids: Tensor | None = None, inputs_embeds: Tensor | None = None,
                 state: DecoderState | None = None, pixel_values: Tensor | None = None,

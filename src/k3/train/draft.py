@@ -35,6 +35,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from k3.config import K3Config
 from k3.files import write_text
 from k3.model import checkpoint as model_ckpt
 from k3.model.checkpoint import atomic_directory, verified
@@ -71,6 +72,7 @@ class DraftTrainConfig:
     step_weight: float = 0.8
     layer_kind: str = "mla"
     feature_layers: list[int] | None = None
+    feature_source: str | None = None
     draft_vocab: int | None = None
     seed: int = 0
     val_fraction: float = 0.02
@@ -94,10 +96,10 @@ class DraftTrainConfig:
                              f"{self.step_weight}, {self.lr}, {self.clip_grad}")
         return self
 
-    def draft_config(self, num_layers: int) -> DraftConfig:
-        """The draft's config for a target of ``num_layers`` layers (checked: feature layers, kind, vocabulary)."""
+    def draft_config(self, target: K3Config) -> DraftConfig:
+        """The draft's config for the ``target`` (checked: feature layers and source, kind, vocabulary)."""
         layers = None if self.feature_layers is None else tuple(self.feature_layers)
-        return DraftConfig(layers, self.layer_kind, self.draft_vocab).resolved(num_layers)
+        return DraftConfig(layers, self.layer_kind, self.draft_vocab, self.feature_source).resolved(target)
 
 
 # ---------------------------------------------------------------------- the objective
@@ -123,9 +125,11 @@ def log_overlap(log_p: Tensor, draft_logits: Tensor, d2t: Tensor | None = None) 
 
 
 @torch.no_grad()
-def target_outputs(target: K3ForCausalLM, layers: tuple[int, ...], inputs: Tensor) -> tuple[list[Tensor], Tensor]:
-    """The target's retrieved inputs at ``layers`` (each ``[B, T, d]``) and its logits ``[B, T, V]``."""
-    with target.capture(list(layers)) as chosen:
+def target_outputs(target: K3ForCausalLM, layers: tuple[int, ...], inputs: Tensor, source: str = "inputs"
+                   ) -> tuple[list[Tensor], Tensor]:
+    """The target's features at ``layers`` (each ``[B, T, d]``; ``source`` as `K3ForCausalLM.capture`) and its
+    logits ``[B, T, V]``."""
+    with target.capture(list(layers), source) as chosen:
         logits, _ = target(inputs)
         return [layer.captured for layer in chosen], logits
 
@@ -170,7 +174,7 @@ class DraftRun(Stage):
         self.metrics = Metrics(self.out / "metrics.jsonl")
         self.target, self.tokenizer = model_ckpt.load_model(Path(config.ckpt))
         self.target.requires_grad_(False)
-        self.draft_config = config.draft_config(self.target.config.num_layers)  # refused before any data is read
+        self.draft_config = config.draft_config(self.target.config)  # refused before any data is read
         self.step_index = 0
 
     @property
@@ -233,7 +237,8 @@ class DraftRun(Stage):
 
     def overlaps(self, inputs: Tensor) -> list[Tensor]:
         """The unroll's per-step log-overlaps on a batch of token windows ``[B, T]``."""
-        features, logits = target_outputs(self.target, self.draft.config.feature_layers, inputs)
+        features, logits = target_outputs(self.target, self.draft.config.feature_layers, inputs,
+                                          self.draft.config.feature_source)
         return unroll(self.draft, inputs, self.draft.fuse(features), logits, self.config.unroll)
 
     def step(self) -> dict[str, Any]:

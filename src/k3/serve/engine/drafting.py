@@ -46,9 +46,11 @@ class Draft:
 
 class Drafter(Protocol):
     """Proposes tokens for one request at a time; keyed by the engine's request id. ``feature_layers`` (None for
-    a drafter that does not read the target) are the target layers whose retrieved inputs `observe` receives."""
+    a drafter that does not read the target) are the target layers whose features `observe` receives: what
+    `K3ForCausalLM.capture` keeps with ``feature_source``."""
 
     feature_layers: tuple[int, ...] | None
+    feature_source: str | None
     cost: float  # a drafted position's price relative to a plain decode step (`k3.serve.engine.payoff`)
 
     def observe(self, request_id: str, tokens: list[int], features: Tensor | None) -> None:
@@ -76,7 +78,7 @@ class ModelDrafter:
     """Drafts with an independent small `K3ForCausalLM` sharing the target's vocabulary (``cost``: a stated guess,
     a draft model's step at half a target step's price)."""
 
-    feature_layers = None
+    feature_layers = feature_source = None
     cost = 0.5
 
     def __init__(self, model: K3ForCausalLM) -> None:
@@ -146,7 +148,7 @@ class EagleDrafter:
 
     def __init__(self, draft: EagleDraft, max_saved: int = 256) -> None:
         self.draft = draft.eval()
-        self.feature_layers = draft.config.feature_layers
+        self.feature_layers, self.feature_source = draft.config.feature_layers, draft.config.feature_source
         self.max_saved = max_saved
         self._sequences: dict[str, _Sequence] = {}
         self._saved: OrderedDict[bytes, _Sequence] = OrderedDict()  # by prefix-cache checkpoint key, LRU first
@@ -202,6 +204,7 @@ class Speculator:
                  adaptive: bool = True) -> None:
         self.drafter, self.gamma, self.max_model_len = drafter, num_draft_tokens, max_model_len
         self.feature_layers = None if drafter is None else drafter.feature_layers
+        self.feature_source = None if drafter is None else drafter.feature_source
         self.lengths = DraftLength(num_draft_tokens, drafter.cost) if drafter is not None and adaptive else None
         self.counts: Counter[str] = Counter()
 

@@ -38,7 +38,7 @@ class NGramDrafter:
     drafted position relative to a plain decode step, for the adaptive draft length (`k3.serve.engine.payoff`):
     drafting is a few dictionary reads, so only the verified position's share of the target pass is charged."""
 
-    feature_layers = None
+    feature_layers = feature_source = None
     cost = 0.1
 
     def __init__(self, vocab_size: int, max_n: int = 4, min_n: int = 2, device: torch.device | None = None) -> None:

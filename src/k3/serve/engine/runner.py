@@ -133,7 +133,7 @@ class Runner:
             return self._call_compiled(groups, full, replay), None
         if not layers:
             return self.model.forward_groups(groups, full=full, replay=replay), None
-        with self.model.capture(list(layers)) as captured:
+        with self.model.capture(list(layers), self.speculator.feature_source) as captured:
             results = self.model.forward_groups(groups, full=full, replay=replay)
             features = torch.stack([layer.captured[0] for layer in captured], dim=-2)  # [N, layers, d]
         return results, list(features.split([len(c) for c in consumed]))
