@@ -62,3 +62,26 @@ class Scripted(K3ForCausalLM):
             if 0 <= generated < len(self.script):
                 logits[:, self.script[generated]] += 1e4
         return results
+
+
+CYCLE = [101, 57, 300, 12, 404, 77, 250]
+
+
+class Cycling(K3ForCausalLM):
+    """A real ``tiny`` K3 whose logits favour, at every position, the token after the one it read in ``CYCLE`` (the
+    cycle's first token after any other): its answer repeats the cycle, as an edit repeats its input. The bias
+    depends on the input token only, so it is the same in decode rows, prefill chunks and verification runs."""
+
+    def __init__(self) -> None:
+        torch.manual_seed(0)
+        super().__init__(preset("tiny"))
+        self.eval()
+        self.successor = torch.full((self.config.vocab_size,), CYCLE[0])
+        self.successor[CYCLE] = torch.tensor(CYCLE[1:] + CYCLE[:1])
+
+    def forward_groups(self, groups, full=None, replay=None):
+        results = super().forward_groups(groups, full, replay)
+        for (ids, _), (logits, _), every in zip(groups, results, full or [False] * len(groups)):
+            read = ids.reshape(-1) if every else ids[:, -1]
+            logits[torch.arange(len(read)), self.successor[read]] += 1e4
+        return results

@@ -279,3 +279,36 @@ def test_a_batch_between_buckets_keeps_its_caches_growing_in_place(monkeypatch):
             assert len(moved) == before, f"step {step}: {len(moved) - before} caches moved to new storage"
         token = logits.argmax(-1, keepdim=True)
     assert logits.shape[0] == 3 and state.batch_size == 3
+
+
+def test_compiled_verification_gives_plain_decoding_and_warm_up_builds_its_graphs(tok):
+    """Speculation on compiled graphs (issue 36): an n-gram drafter drafting γ = 3 every step, its verification rows
+    (right-padded to γ + 1, stacked, the batch padded to its bucket when one request runs alone) through the
+    compiled verification graph, exact against plain eager decoding; `Engine.warm_up` builds that graph beside the
+    decode one, and serving compiles nothing more."""
+    from k3.serve.engine import Engine, SamplingParams
+    from k3.serve.engine.ngram import NGramDrafter
+
+    model = serving.Cycling()  # answers repeat the cycle: the n-gram index finds drafts the target accepts
+    text = serving.prompts()[5]
+    prompts = [text[:40] + serving.CYCLE * 2, text[50:90] + serving.CYCLE[:4]]
+    params = [SamplingParams(max_tokens=n, temperature=0) for n in (24, 12)]  # the second ends first: a row alone
+
+    def run(engine: Engine) -> list[list[int]]:
+        tokens: dict[int, list[int]] = {}
+        engine.add_requests([(p, q, None, lambda o, i=i: tokens.setdefault(i, []).extend(o.token_ids))
+                             for i, (p, q) in enumerate(zip(prompts, params))])
+        while engine.has_work():
+            engine.step()
+        return [tokens[i] for i in range(len(prompts))]
+
+    compiled = CompiledModel(model, batches=(2,), sizes=(1,), tuned=False)
+    engine = Engine(model, tok, max_batch=2, compile=compiled, drafter=NGramDrafter(model.config.vocab_size),
+                    num_draft_tokens=3, adaptive_draft=False)
+    assert engine.warm_up() > 0
+    built = compiled.compilations
+    assert sorted((kind, batch, length) for kind, batch, length, *_ in compiled.compile_seconds) == [
+        ("decode", 2, 1), ("verify", 2, 4)]
+    assert run(engine) == run(Engine(model, tok, max_batch=2))
+    assert engine.speculation["runs"] > 0 and engine.speculation["accepted"] > 0
+    assert compiled.compilations == built

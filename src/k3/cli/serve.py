@@ -96,7 +96,7 @@ def _serve(args: argparse.Namespace) -> int:
     torch.set_num_threads(options.threads or max(1, (os.cpu_count() or 1) - 1))
     engine = options.build(*load(args.ckpt, verify=not args.no_verify))
     if engine.compiled is not None:  # every graph built before the first request: none stalls a running batch
-        seconds = engine.compiled.warm_up(engine.max_batch, engine.max_model_len)
+        seconds = engine.warm_up()
         print(f"k3 serve: {engine.compiled.compilations} graphs compiled in {seconds:.1f} s (decode batches up to "
               f"{engine.compiled.bucket(engine.max_batch)}, prefill pieces {engine.compiled.sizes}, context "
               f"{engine.max_model_len} tokens)", flush=True)

@@ -68,10 +68,12 @@ torch.nn.modules.module.register_module_buffer_registration_hook(_registered)
 
 class CompiledStep:
     """``step(input_ids [B, T], state) -> (logits [B, V], state)``: what ``model.forward_groups([(input_ids,
-    state)])[0]`` gives (logits within float reassociation, ~1e-5 relative in fp32), compiled once per shape key."""
+    state)])[0]`` gives (logits within float reassociation, ~1e-5 relative in fp32), compiled once per shape key.
+    A ``replayed`` step is a speculative verification: ``forward_groups(..., full=[True], replay=[True])``, logits
+    of every position ``[B·T, V]`` and a state whose `Replay` rolls back to any prefix of the run."""
 
-    def __init__(self, model: K3ForCausalLM, tuned: bool = False) -> None:
-        self.model, self.tuned = model, tuned
+    def __init__(self, model: K3ForCausalLM, tuned: bool = False, replayed: bool = False) -> None:
+        self.model, self.tuned, self.replayed = model, tuned, replayed
         self.compilations = 0
         self.compile_seconds: dict[tuple, float] = {}  # shape key -> seconds of the call that compiled it
         self._warm: set[tuple] = set()
@@ -82,7 +84,8 @@ class CompiledStep:
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
 
     def _forward(self, input_ids: Tensor, state: DecoderState) -> tuple[Tensor, DecoderState]:
-        (logits, after), = self.model.forward_groups([(input_ids, state)])
+        (logits, after), = self.model.forward_groups([(input_ids, state)], full=[self.replayed],
+                                                     replay=[self.replayed])
         return logits, after
 
     def _backend(self, graph: torch.fx.GraphModule, example_inputs: list[Tensor]):  # noqa: ANN202
@@ -151,7 +154,8 @@ class CompiledStep:
         # the graph's output caches view the storage it wrote into: tie them to it, now that much longer
         layers = [before.storage.advance(out) if isinstance(before, MLASlots) else out
                   for out, before in zip(after.layers, slots, strict=True)]
-        return logits, replace(after, layers=layers, position=state.position + tokens)
+        replay = None if after.replay is None else replace(after.replay, before=state)  # the caller's own state
+        return logits, replace(after, layers=layers, position=state.position + tokens, replay=replay)
 
 
 def _slots(state: DecoderState, tokens: int) -> list:
@@ -217,18 +221,20 @@ class CompiledModel:
             raise ValueError(f"sizes must hold 1 and batches be positive, got sizes={sizes}, batches={batches}")
         self.model, self.batches, self.sizes = model, tuple(sorted(batches)), tuple(sizes)
         self.decode_step, self.prefill_step = CompiledStep(model, tuned), CompiledStep(model)
+        self.verify_step = CompiledStep(model, replayed=True)
         # the last padded decode: (the rows returned, the whole bucket), so a batch that is not a bucket continues
         # its filler rows too and its caches keep growing in place instead of being stacked anew every step
         self._padded: tuple[DecoderState, DecoderState] | None = None
 
     @property
     def compilations(self) -> int:
-        return self.decode_step.compilations + self.prefill_step.compilations
+        return self.decode_step.compilations + self.prefill_step.compilations + self.verify_step.compilations
 
     @property
     def compile_seconds(self) -> dict[tuple, float]:
         return {**{("decode", *k): s for k, s in self.decode_step.compile_seconds.items()},
-                **{("prefill", *k): s for k, s in self.prefill_step.compile_seconds.items()}}
+                **{("prefill", *k): s for k, s in self.prefill_step.compile_seconds.items()},
+                **{("verify", *k): s for k, s in self.verify_step.compile_seconds.items()}}
 
     def bucket(self, batch: int) -> int:
         """The decode batch size ``batch`` rows run at (a larger batch than every bucket: its own size)."""
@@ -259,6 +265,25 @@ class CompiledModel:
         self._padded = (out, after) if extra else None
         return logits[:batch], out
 
+    def verify(self, input_ids: Tensor, state: DecoderState) -> tuple[Tensor, DecoderState]:
+        """A speculative verification ``input_ids [B, T]`` (each row's pending token and drafts, right-padded):
+        the logits of every position ``[B·T, V]`` (rows first) and the state with its `Replay`, as
+        ``forward_groups(..., full=[True], replay=[True])``. Rows are padded to the decode bucket with copies of
+        row 0, one graph per (bucket, T); on a cache of 0 or 1 positions it runs eagerly, as `decode`."""
+        if cached(state, input_ids.shape[1]) < 2:
+            with torch.no_grad():
+                return self.model.forward_groups([(input_ids, state)], full=[True], replay=[True])[0]
+        batch, tokens, unpadded = input_ids.shape[0], input_ids.shape[1], state.padding is None
+        extra = self.bucket(batch) - batch
+        if extra:
+            state = DecoderState.stack([state, *[state.select(slice(0, 1))] * extra])
+            input_ids = torch.cat([input_ids, input_ids[:1].expand(extra, -1)])
+        elif unpadded:
+            state = replace(state, padding=state.row_padding())
+        logits, after = self.verify_step(input_ids, state)
+        out = after.select(slice(0, batch)) if extra else after
+        return logits[:batch * tokens], replace(out, padding=None) if unpadded else out
+
     def prefill(self, input_ids: Tensor, state: DecoderState) -> tuple[Tensor, DecoderState]:
         """A chunk ``input_ids [B, T]`` as pieces of the bucket lengths (a 1-token piece is a decode step; a piece
         on a cache of exactly one position, after a 1-token first piece, runs eagerly like such a decode step)."""
@@ -278,12 +303,13 @@ class CompiledModel:
         return self.decode_step._forward(input_ids, state)
 
     @torch.inference_mode()
-    def warm_up(self, max_batch: int, max_model_len: int | None = None) -> float:
+    def warm_up(self, max_batch: int, max_model_len: int | None = None, verify_tokens: int = 0) -> float:
         """Compile every graph that serving with at most ``max_batch`` requests reaches, before any request arrives
         (vLLM's capture at start-up): each prefill piece on an empty cache and on a longer one, each decode bucket up
-        to ``bucket(max_batch)`` on stacked rows — in inference mode, as the engine steps — and, where a context of
-        ``max_model_len`` tokens (default: the model's) passes `CASCADE_SUM` positions, the pieces and buckets again on
-        a cache that long. Returns the seconds taken; afterwards no traffic compiles."""
+        to ``bucket(max_batch)`` on stacked rows (with ``verify_tokens``, each bucket's verification of that many
+        tokens too) — in inference mode, as the engine steps — and, where a context of ``max_model_len`` tokens
+        (default: the model's) passes `CASCADE_SUM` positions, the pieces and buckets again on a cache that long.
+        Returns the seconds taken; afterwards no traffic compiles."""
         start = time.perf_counter()
         contexts = [self._context(2)]
         if (max_model_len or self.model.config.context_length) > CASCADE_SUM:
@@ -296,6 +322,8 @@ class CompiledModel:
             for batch in self.batches:
                 if batch <= self.bucket(max_batch):
                     self.decode(self._zeros(batch, 1), DecoderState.stack([context] * batch))
+                    if verify_tokens:
+                        self.verify(self._zeros(batch, verify_tokens), DecoderState.stack([context] * batch))
         return time.perf_counter() - start
 
     def _zeros(self, batch: int, length: int) -> Tensor:

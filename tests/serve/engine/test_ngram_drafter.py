@@ -7,8 +7,6 @@ import pytest
 import torch
 
 import serving
-from k3 import K3ForCausalLM
-from k3.config import preset
 from k3.serve.engine import Engine, SamplingParams
 from k3.serve.engine.ngram import NGramDrafter
 
@@ -55,33 +53,10 @@ def test_the_draft_distribution_is_one_hot_at_each_token():
     assert torch.equal(draft.q, expected)
 
 
-CYCLE = [101, 57, 300, 12, 404, 77, 250]
-
-
-class Cycling(K3ForCausalLM):
-    """A real ``tiny`` K3 whose logits favour, at every position, the token after the one it read in ``CYCLE`` (the
-    cycle's first token after any other): its answer repeats the cycle, as an edit repeats its input. The bias
-    depends on the input token only, so it is the same in decode rows, prefill chunks and verification runs."""
-
-    def __init__(self) -> None:
-        torch.manual_seed(0)
-        super().__init__(preset("tiny"))
-        self.eval()
-        self.successor = torch.full((self.config.vocab_size,), CYCLE[0])
-        self.successor[CYCLE] = torch.tensor(CYCLE[1:] + CYCLE[:1])
-
-    def forward_groups(self, groups, full=None, replay=None):
-        results = super().forward_groups(groups, full, replay)
-        for (ids, _), (logits, _), every in zip(groups, results, full or [False] * len(groups)):
-            read = ids.reshape(-1) if every else ids[:, -1]
-            logits[torch.arange(len(read)), self.successor[read]] += 1e4
-        return results
-
-
 @pytest.mark.parametrize("adaptive", [True, False])
 def test_greedy_tokens_equal_plain_decoding_and_repeats_are_accepted(tok, adaptive):
-    model = Cycling()
-    prompts = [serving.prompts()[3] + CYCLE * 2, *serving.prompts()[2:5]]
+    model = serving.Cycling()
+    prompts = [serving.prompts()[3] + serving.CYCLE * 2, *serving.prompts()[2:5]]
     params = SamplingParams(max_tokens=24, temperature=0, logprobs=1)
     plain = Engine(model, tok)
     spec = Engine(model, tok, drafter=NGramDrafter(model.config.vocab_size), adaptive_draft=adaptive)
@@ -98,8 +73,8 @@ def test_sampled_requests_end_like_plain_ones(tok):
     """Sampling under speculation draws its uniforms differently, so only the distribution is shared (the rule's
     exactness is `test_speculative`'s); here: the request runs to max_tokens with valid ids and no error."""
     params = SamplingParams(max_tokens=20, temperature=0.7, seed=5)
-    model = Cycling()
+    model = serving.Cycling()
     spec = Engine(model, tok, drafter=NGramDrafter(model.config.vocab_size), adaptive_draft=False)
-    outputs = list(spec.generate(serving.prompts()[3] + CYCLE * 2, params))
+    outputs = list(spec.generate(serving.prompts()[3] + serving.CYCLE * 2, params))
     tokens = [t for o in outputs for t in o.token_ids]
     assert outputs[-1].finish_reason == "length" and len(tokens) == 20 and max(tokens) < tok.vocab_size

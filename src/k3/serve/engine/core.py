@@ -123,6 +123,14 @@ class Engine:
     def prefix_cache(self) -> PrefixCache | None:
         return self.scheduler.prefix_cache
 
+    def warm_up(self) -> float:
+        """Build every compiled graph serving reaches before the first request (`CompiledModel.warm_up`): decode
+        buckets and prefill pieces, and with a drafter whose verification runs compiled its ``γ + 1``-token
+        verification per bucket. Returns the seconds taken (0 without ``compile``)."""
+        if self.compiled is None:
+            return 0.0
+        return self.compiled.warm_up(self.max_batch, self.max_model_len, self.runner.verify_width or 0)
+
     @property
     def speculation(self) -> Counter[str]:
         """Speculative runs verified, tokens drafted, drafts accepted."""

@@ -52,6 +52,16 @@ class Runner:
         self.model, self.speculator, self.compiled = model, speculator, compiled
         self._batch: tuple[list[Request], list[DecoderState], DecoderState] | None = None  # rows, their states, stack
 
+    @property
+    def verify_width(self) -> int | None:
+        """The tokens of every verification row when verification runs on compiled graphs (a drafter that does not
+        read the target's features): the longest run, ``γ + 1``, so one graph per batch bucket serves every γ the
+        adaptive rule picks; None when verification runs eagerly (rows as long as the longest run)."""
+        drafter = self.speculator.drafter
+        if self.compiled is None or drafter is None or self.speculator.feature_layers:
+            return None
+        return self.speculator.gamma + 1
+
     def run(self, plan: StepPlan) -> Forward:
         """The pass for ``plan`` (module docstring); on failure the stacked decode state is dropped."""
         try:
@@ -77,7 +87,7 @@ class Runner:
         consumed = [piece for _, piece in plan.pieces]
         runs = [[r.pending, *d.tokens] for r, d in verifying]
         if verifying:
-            rows = _right_padded(runs)
+            rows = _right_padded(runs, self.verify_width)
             groups.append((torch.tensor(rows), _verify_state([r for r, _ in verifying])))
             full.append(True)
             replay.append(True)
@@ -141,16 +151,18 @@ class Runner:
     def _call_compiled(self, groups: list, full: list[bool], replay: list[bool]) -> list:
         """`forward_groups` with the decode group and the prefill pieces on compiled graphs (each group's result
         is its own: the engine is batch-invariant); the groups a graph does not cover run eagerly, together."""
-        eager = [g for g, (ids, _) in enumerate(groups) if full[g] or replay[g] or ids.is_floating_point()]
+        eager = [g for g, (ids, _) in enumerate(groups) if full[g] and not replay[g] or ids.is_floating_point()]
         results = dict(zip(eager, self.model.forward_groups([groups[g] for g in eager], full=[full[g] for g in eager],
                                                             replay=[replay[g] for g in eager]) if eager else []))
-        return [results[g] if g in results else self.compiled(*group) for g, group in enumerate(groups)]
+        return [results[g] if g in results else (self.compiled.verify if replay[g] else self.compiled)(*group)
+                for g, group in enumerate(groups)]
 
 
-def _right_padded(runs: list[list[int]]) -> list[list[int]]:
-    """The runs ``[pending, d_1 … d_γ]`` right-padded to the longest by repeating their last token: the model is
-    causal, so a run's valid positions do not see the padding, and `DecoderState.accept` keeps only a prefix."""
-    width = max(map(len, runs))
+def _right_padded(runs: list[list[int]], width: int | None = None) -> list[list[int]]:
+    """The runs ``[pending, d_1 … d_γ]`` right-padded to ``width`` (default: the longest) by repeating their last
+    token: the model is causal, so a run's valid positions do not see the padding, and `DecoderState.accept` keeps
+    only a prefix."""
+    width = width or max(map(len, runs))
     return [run + run[-1:] * (width - len(run)) for run in runs]
 
 
