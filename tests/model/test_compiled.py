@@ -312,3 +312,55 @@ def test_compiled_verification_gives_plain_decoding_and_warm_up_builds_its_graph
     assert run(engine) == run(Engine(model, tok, max_batch=2))
     assert engine.speculation["runs"] > 0 and engine.speculation["accepted"] > 0
     assert compiled.compilations == built
+
+
+def test_compiled_eagle_speculation_reads_the_features_eager_speculation_reads(tok):
+    """An EAGLE-3 draft reading AttnRes block outputs (a 4-block target) on a compiled engine: decode and
+    verification graphs keep the target features (the capture is part of their shape key: a graph built without
+    it is never reused with it), so every proposal equals the eager engine's — the same tokens, q within 1e-4 —
+    and the answers equal plain decoding; after `Engine.warm_up` nothing compiles."""
+    from k3.model.draft import EagleDraft
+    from k3.serve.engine import Engine, SamplingParams
+    from k3.serve.engine.drafting import EagleDrafter
+
+    class Recording(EagleDrafter):
+        def __init__(self, draft: EagleDraft) -> None:
+            super().__init__(draft)
+            self.proposals: list = []
+
+        def propose(self, *args, **kwargs):
+            draft = super().propose(*args, **kwargs)
+            self.proposals.append(draft)
+            return draft
+
+    tiny = preset("tiny")
+    torch.manual_seed(0)
+    model = K3ForCausalLM(dataclasses.replace(tiny, attn_res=dataclasses.replace(tiny.attn_res, block_size=1)))
+    draft = EagleDraft(model.eval())
+    assert draft.config.feature_source == "blocks"
+    prompts = [serving.prompts()[3], serving.prompts()[5][:30]]
+    params = [SamplingParams(max_tokens=n, temperature=0) for n in (14, 8)]
+
+    def run(engine: Engine) -> list[list[int]]:
+        tokens: dict[int, list[int]] = {}
+        engine.add_requests([(p, q, None, lambda o, i=i: tokens.setdefault(i, []).extend(o.token_ids))
+                             for i, (p, q) in enumerate(zip(prompts, params))])
+        while engine.has_work():
+            engine.step()
+        return [tokens[i] for i in range(len(prompts))]
+
+    compiled = CompiledModel(model, batches=(2,), sizes=(1,), tuned=False)
+    compiled.decode(torch.zeros(2, 1, dtype=torch.long), DecoderState.stack([compiled._context(2)] * 2))  # no capture
+    built = compiled.compilations
+    fast, eager = Recording(draft), Recording(draft)
+    engine = Engine(model, tok, max_batch=2, compile=compiled, drafter=fast, num_draft_tokens=3, adaptive_draft=False)
+    engine.warm_up()
+    assert compiled.compilations == built + 2  # decode and verification, both keeping features
+    warm = compiled.compilations
+    assert run(engine) == run(Engine(model, tok, max_batch=2))
+    run(Engine(model, tok, max_batch=2, drafter=eager, num_draft_tokens=3, adaptive_draft=False))
+    assert compiled.compilations == warm
+    assert len(fast.proposals) == len(eager.proposals) > 0
+    for a, b in zip(fast.proposals, eager.proposals, strict=True):
+        assert a.tokens == b.tokens
+        torch.testing.assert_close(a.q, b.q, atol=1e-4, rtol=0)

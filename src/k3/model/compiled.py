@@ -131,7 +131,8 @@ class CompiledStep:
                  frozenset(layer.latent.dtype if isinstance(layer, MLACache) else layer.recurrent.dtype
                            for layer in state.layers),
                  self.model.training, torch.get_num_threads(),  # a guard of dynamo's global state
-                 torch.is_inference_mode_enabled())  # inference tensors dispatch differently
+                 torch.is_inference_mode_enabled(),  # inference tensors dispatch differently
+                 tuple(layer.capture for layer in self.model.layers))  # features kept (`K3ForCausalLM.capture`)
         key, built = (*shape, weights, _RESETS[0]), self.compilations
         warm = key in self._warm
         if warm:
@@ -303,9 +304,11 @@ class CompiledModel:
         return self.decode_step._forward(input_ids, state)
 
     @torch.inference_mode()
-    def warm_up(self, max_batch: int, max_model_len: int | None = None, verify_tokens: int = 0) -> float:
+    def warm_up(self, max_batch: int, max_model_len: int | None = None, verify_tokens: int = 0,
+                prefill: bool = True) -> float:
         """Compile every graph that serving with at most ``max_batch`` requests reaches, before any request arrives
-        (vLLM's capture at start-up): each prefill piece on an empty cache and on a longer one, each decode bucket up
+        (vLLM's capture at start-up): each prefill piece on an empty cache and on a longer one (unless ``prefill``
+        is False: a server whose drafter reads the target's features prefills eagerly), each decode bucket up
         to ``bucket(max_batch)`` on stacked rows (with ``verify_tokens``, each bucket's verification of that many
         tokens too) — in inference mode, as the engine steps — and, where a context of ``max_model_len`` tokens
         (default: the model's) passes `CASCADE_SUM` positions, the pieces and buckets again on a cache that long.
@@ -314,7 +317,7 @@ class CompiledModel:
         contexts = [self._context(2)]
         if (max_model_len or self.model.config.context_length) > CASCADE_SUM:
             contexts.append(self._context(CASCADE_SUM))
-        for size in self.sizes:
+        for size in self.sizes if prefill else ():
             if size > 1:
                 for context in [self._context(0), *contexts]:
                     self.prefill_step(self._zeros(1, size), context)

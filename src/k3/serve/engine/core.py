@@ -21,6 +21,8 @@ blocking iterator that works with or without it.
 
 from __future__ import annotations
 
+import contextlib
+
 import itertools
 import queue
 import threading
@@ -126,10 +128,14 @@ class Engine:
     def warm_up(self) -> float:
         """Build every compiled graph serving reaches before the first request (`CompiledModel.warm_up`): decode
         buckets and prefill pieces, and with a drafter whose verification runs compiled its ``γ + 1``-token
-        verification per bucket. Returns the seconds taken (0 without ``compile``)."""
+        verification per bucket — keeping the target features a drafter reads, as serving does. Returns the seconds
+        taken (0 without ``compile``)."""
         if self.compiled is None:
             return 0.0
-        return self.compiled.warm_up(self.max_batch, self.max_model_len, self.runner.verify_width or 0)
+        layers = self.speculator.feature_layers
+        with self.model.capture(list(layers), self.speculator.feature_source) if layers else contextlib.nullcontext():
+            return self.compiled.warm_up(self.max_batch, self.max_model_len, self.runner.verify_width or 0,
+                                         prefill=not layers)
 
     @property
     def speculation(self) -> Counter[str]:

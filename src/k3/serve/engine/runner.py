@@ -54,11 +54,10 @@ class Runner:
 
     @property
     def verify_width(self) -> int | None:
-        """The tokens of every verification row when verification runs on compiled graphs (a drafter that does not
-        read the target's features): the longest run, ``γ + 1``, so one graph per batch bucket serves every γ the
-        adaptive rule picks; None when verification runs eagerly (rows as long as the longest run)."""
-        drafter = self.speculator.drafter
-        if self.compiled is None or drafter is None or self.speculator.feature_layers:
+        """The tokens of every verification row when verification runs on compiled graphs: the longest run,
+        ``γ + 1``, so one graph per batch bucket serves every γ the adaptive rule picks; None when verification runs
+        eagerly (rows as long as the longest run)."""
+        if self.compiled is None or self.speculator.drafter is None:
             return None
         return self.speculator.gamma + 1
 
@@ -139,23 +138,44 @@ class Runner:
         """`forward_groups`; for a drafter that reads the target, also each group's features ``[T, layers, d]``
         at its consumed tokens (the verification and decode groups' rows one by one)."""
         layers = self.speculator.feature_layers
-        if self.compiled is not None and not layers:
-            return self._call_compiled(groups, full, replay), None
         if not layers:
+            if self.compiled is not None:
+                return self._call_compiled(groups, full, replay)[0], None
             return self.model.forward_groups(groups, full=full, replay=replay), None
         with self.model.capture(list(layers), self.speculator.feature_source) as captured:
-            results = self.model.forward_groups(groups, full=full, replay=replay)
-            features = torch.stack([layer.captured[0] for layer in captured], dim=-2)  # [N, layers, d]
+            if self.compiled is not None:
+                results, features = self._call_compiled(groups, full, replay, captured)
+            else:
+                results = self.model.forward_groups(groups, full=full, replay=replay)
+                features = self._features(captured)
         return results, list(features.split([len(c) for c in consumed]))
 
-    def _call_compiled(self, groups: list, full: list[bool], replay: list[bool]) -> list:
-        """`forward_groups` with the decode group and the prefill pieces on compiled graphs (each group's result
-        is its own: the engine is batch-invariant); the groups a graph does not cover run eagerly, together."""
-        eager = [g for g, (ids, _) in enumerate(groups) if full[g] and not replay[g] or ids.is_floating_point()]
+    def _call_compiled(self, groups: list, full: list[bool], replay: list[bool], captured: list | None = None
+                       ) -> tuple[list, Tensor | None]:
+        """`forward_groups` with the decode group, the verification group and the prefill pieces on compiled graphs
+        (each group's result is its own: the engine is batch-invariant); the groups a graph does not cover run
+        eagerly, together. With the ``captured`` layers of `K3ForCausalLM.capture`, also the features ``[N, layers,
+        d]`` of every group's tokens in order: prefill chunks then run eagerly (a compiled chunk is several graph
+        calls, each keeping only its own piece's features)."""
+        eager = [g for g, (ids, _) in enumerate(groups) if full[g] and not replay[g] or ids.is_floating_point()
+                 or captured is not None and not replay[g] and ids.shape[1] > 1]
         results = dict(zip(eager, self.model.forward_groups([groups[g] for g in eager], full=[full[g] for g in eager],
                                                             replay=[replay[g] for g in eager]) if eager else []))
-        return [results[g] if g in results else (self.compiled.verify if replay[g] else self.compiled)(*group)
-                for g, group in enumerate(groups)]
+        sizes = [ids.shape[0] * ids.shape[1] for ids, _ in groups]
+        features = dict(zip(eager, self._features(captured).split([sizes[g] for g in eager]))) if eager and \
+            captured is not None else {}
+        for g, group in enumerate(groups):
+            if g not in results:
+                results[g] = (self.compiled.verify if replay[g] else self.compiled)(*group)
+                if captured is not None:  # the graph's rows past the group's own are its bucket's filler
+                    features[g] = self._features(captured)[:sizes[g]]
+        ordered = [results[g] for g in range(len(groups))]
+        return ordered, None if captured is None else torch.cat([features[g] for g in range(len(groups))])
+
+    @staticmethod
+    def _features(captured: list) -> Tensor:
+        """The captured layers' features of the last call, ``[N, layers, d]``."""
+        return torch.stack([layer.captured[0] for layer in captured], dim=-2)
 
 
 def _right_padded(runs: list[list[int]], width: int | None = None) -> list[list[int]]:
