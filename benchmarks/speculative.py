@@ -4,7 +4,7 @@ Needs a trained target and, for the EAGLE-3 rows, a draft trained on it (nothing
 
     make demo                                                     # the mini preset -> runs/mini
     .venv/bin/k3 train-draft --ckpt runs/mini --out runs/mini-draft --steps 300 --max-minutes 5
-    python benchmarks/speculative.py --target runs/mini --draft runs/mini-draft
+    python benchmarks/speculative.py --target runs/mini --draft runs/mini-draft [--compile]
 
 Two workloads of 64-token prompts from the standard library's source: **text** continues the source; **edit** is a
 code-editing request — a function, a marker, and the function's first line again — whose answer repeats most of
@@ -12,7 +12,10 @@ the prompt. For each drafter (``ngram``: prompt lookup, no model; ``eagle``: the
 temperature 0.8, γ drafted always (``--always-draft``) or adaptively (the default), the decode tokens/s of 64-token
 continuations through the engine without HTTP, beside plain decoding of the same prompts in the same pass (passes
 repeated, medians reported); the acceptance rate per draft position; tokens kept per verified run; the steps in
-which a speculating engine's request decoded plainly. Greedy outputs are checked identical to plain decoding.
+which a speculating engine's request decoded plainly; the tokens kept per run by output length (16-token bins).
+Greedy outputs are checked identical to plain decoding. With ``--compile`` every engine shares one set of compiled
+graphs (decode batches 1 and 8, verification of γ + 1 tokens, with and without the EAGLE features), all built before
+anything is timed.
 Targets (issue 36): batch-1 greedy ≥ 1.5× (EAGLE), n-gram ≥ 2× on edits, batch 8 ≥ 1.0×, no row below 0.95×.
 """
 
@@ -32,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import machine, table, write_results  # noqa: E402
 
 from k3.model.checkpoint import load_model  # noqa: E402
+from k3.model.compiled import CompiledModel  # noqa: E402
 from k3.serve.engine.drafting import EagleDrafter  # noqa: E402
 from k3.serve.engine import Engine, SamplingParams  # noqa: E402
 from k3.serve.options import EngineOptions  # noqa: E402
@@ -87,6 +91,13 @@ def replay_bytes(config, gamma: int) -> tuple[int, int]:
     return 4 * layers * (gamma + 1) * per_token, 4 * layers * (gamma + 1) * snapshot
 
 
+def build(options: EngineOptions, target, tokenizer, compiled: CompiledModel | None) -> Engine:
+    """`EngineOptions.build` with a shared set of compiled graphs."""
+    return Engine(target, tokenizer, max_batch=options.max_batch, prefill_chunk=options.prefill_chunk,
+                  drafter=options.drafter(target), num_draft_tokens=options.num_draft_tokens,
+                  adaptive_draft=not options.always_draft, compile=compiled)
+
+
 def timed_pass(engines: dict[str, Engine], batch: list[list[int]], params: SamplingParams) -> dict:
     """Each engine decodes ``batch`` in turn: its seconds and tokens."""
     return {name: decode(engine, batch, params) for name, engine in engines.items()}
@@ -99,22 +110,30 @@ def main() -> None:
     parser.add_argument("--gamma", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--passes", type=int, default=3)
+    parser.add_argument("--compile", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(2)
     target, tokenizer = load_model(Path(args.target))
     plain_options = EngineOptions(max_batch=8, prefix_cache=False)  # k3 serve --max-batch 8 --no-prefix-cache
     drafters = {"ngram": "ngram", **({"eagle": args.draft} if args.draft else {})}
-    rows, positions = [], {}
+    compiled = CompiledModel(target, batches=(1, 8)) if args.compile else None
+    if compiled is not None:
+        for draft in drafters.values():  # decode, prefill and verification graphs, with and without features
+            build(replace(plain_options, draft=draft, num_draft_tokens=args.gamma), target, tokenizer,
+                  compiled).warm_up()
+        print(f"{compiled.compilations} graphs compiled in {sum(compiled.compile_seconds.values()):.0f} s", flush=True)
+    built = 0 if compiled is None else compiled.compilations
+    rows, positions, by_length = [], {}, {}
     for workload in ("text", "edit"):
         for batch_size in (1, 8):
             batch = prompts(tokenizer, batch_size, workload)
             for temperature in (0.0, 0.8):
                 params = SamplingParams(max_tokens=args.tokens, temperature=temperature, seed=0)
-                engines = {"plain": plain_options.build(target, tokenizer)}
+                engines = {"plain": build(plain_options, target, tokenizer, compiled)}
                 for name, draft in drafters.items():
                     for always in (True, False):
-                        engines[(name, always)] = replace(plain_options, draft=draft, num_draft_tokens=args.gamma,
-                                                          always_draft=always).build(target, tokenizer)
+                        engines[(name, always)] = build(replace(plain_options, draft=draft, num_draft_tokens=args.gamma,
+                                                                always_draft=always), target, tokenizer, compiled)
                 assert isinstance(engines[("eagle", True)].drafter, EagleDrafter) if args.draft else True
                 timed_pass(engines, batch, params)  # warm-up
                 passes = [timed_pass(engines, batch, params) for _ in range(args.passes)]
@@ -138,6 +157,9 @@ def main() -> None:
                     positions[f"{workload}/{name}/{rows[-1]['gamma']}/b{batch_size}/t{temperature}"] = [
                         round(stats[f"accepted_at_{i}"] / stats[f"drafted_at_{i}"], 3) if stats[f"drafted_at_{i}"]
                         else None for i in range(1, args.gamma + 1)]
+                    by_length[f"{workload}/{name}/{rows[-1]['gamma']}/b{batch_size}/t{temperature}"] = {
+                        n: round(stats[f"kept_from_{n}"] / stats[f"runs_from_{n}"], 2)
+                        for n in range(0, args.tokens, 16) if stats[f"runs_from_{n}"]}
     print(table(rows, [("workload", "workload"), ("drafter", "drafter"), ("gamma", "γ"), ("batch", "batch"),
                        ("temperature", "temperature"), ("plain_tok_s", "plain tok/s"),
                        ("spec_tok_s", "speculative tok/s"), ("speed_up", "speed-up"), ("acceptance", "acceptance"),
@@ -145,12 +167,18 @@ def main() -> None:
     print("\nacceptance by draft position (1 … γ):")
     for key, rates in positions.items():
         print(f"  {key}: {rates}")
+    print("\ntokens kept per verified run by output length (runs verified while the output held n … n+15 tokens):")
+    for key, kept in by_length.items():
+        print(f"  {key}: {kept}")
+    if compiled is not None:
+        print(f"graphs compiled while timed: {compiled.compilations - built}")
     replay, snapshots = replay_bytes(target.config, args.gamma)
     print(f"\nKDA replay buffers per verified run (γ = {args.gamma}): {replay:,} bytes; per-position snapshots: "
           f"{snapshots:,} bytes ({snapshots / replay:.1f}x)")
-    payload = {"machine": machine(), "rows": rows, "acceptance_by_position": positions, "replay_bytes": replay,
-               "snapshot_bytes": snapshots}
-    print(f"results: {write_results('speculative', payload)}")
+    payload = {"machine": machine(), "compiled": args.compile, "rows": rows, "acceptance_by_position": positions,
+               "kept_per_run_by_output_length": by_length, "replay_bytes": replay, "snapshot_bytes": snapshots,
+               "graphs_compiled_while_timed": None if compiled is None else compiled.compilations - built}
+    print(f"results: {write_results('speculative' + ('_compiled' if args.compile else ''), payload)}")
 
 
 if __name__ == "__main__":

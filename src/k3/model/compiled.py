@@ -222,7 +222,7 @@ class CompiledModel:
             raise ValueError(f"sizes must hold 1 and batches be positive, got sizes={sizes}, batches={batches}")
         self.model, self.batches, self.sizes = model, tuple(sorted(batches)), tuple(sizes)
         self.decode_step, self.prefill_step = CompiledStep(model, tuned), CompiledStep(model)
-        self.verify_step = CompiledStep(model, replayed=True)
+        self.verify_step = CompiledStep(model, tuned, replayed=True)
         # the last padded decode: (the rows returned, the whole bucket), so a batch that is not a bucket continues
         # its filler rows too and its caches keep growing in place instead of being stacked anew every step
         self._padded: tuple[DecoderState, DecoderState] | None = None

@@ -67,6 +67,9 @@ def test_greedy_tokens_equal_plain_decoding_and_repeats_are_accepted(tok, adapti
         assert [p for _, ps in got for p in ps] == pytest.approx([p for _, ps in want for p in ps], abs=1e-4)
     stats = spec.speculation
     assert stats["accepted"] > 0.9 * stats["drafted"] > 0 and stats["accepted_at_4"] > 0
+    bins = {int(k.rsplit("_", 1)[1]) for k in stats if k.startswith("runs_from_")}  # acceptance by output length
+    assert bins and bins <= {0, 16} and sum(stats[f"runs_from_{n}"] for n in bins) == stats["runs"]
+    assert sum(stats[f"kept_from_{n}"] for n in bins) == stats["accepted"] + stats["runs"]
 
 
 def test_sampled_requests_end_like_plain_ones(tok):

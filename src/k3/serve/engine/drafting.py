@@ -44,6 +44,8 @@ class Draft:
     q: Tensor
 
 
+OUTPUT_BIN = 16  # output tokens per bin of the acceptance-by-output-length counts
+
 class Drafter(Protocol):
     """Proposes tokens for one request at a time; keyed by the engine's request id. ``feature_layers`` (None for
     a drafter that does not read the target) are the target layers whose features `observe` receives: what
@@ -197,8 +199,9 @@ class Speculator:
     """The engine's side of speculation: which decoding requests draft this step and how many tokens (``adaptive``:
     `k3.serve.engine.payoff.DraftLength` from each request's measured acceptance, else always ``num_draft_tokens``),
     what the target's features and verified runs tell the drafter, and the counts ``runs``, ``drafted``,
-    ``accepted``, ``drafted_at_i`` / ``accepted_at_i`` (draft position i, from 1) and ``plain`` (a speculating
-    drafter's request decoding plainly: no draft found, or adaptively paused)."""
+    ``accepted``, ``drafted_at_i`` / ``accepted_at_i`` (draft position i, from 1), ``runs_from_n`` / ``kept_from_n``
+    (runs verified, and tokens they emitted, while the request's output held n to n + `OUTPUT_BIN` − 1 tokens) and
+    ``plain`` (a speculating drafter's request decoding plainly: no draft found, or adaptively paused)."""
 
     def __init__(self, drafter: Drafter | None, num_draft_tokens: int, max_model_len: int,
                  adaptive: bool = True) -> None:
@@ -253,6 +256,8 @@ class Speculator:
         self.counts.update(runs=1, drafted=drafted, accepted=accepted)
         self.counts.update({f"drafted_at_{i}": 1 for i in range(1, drafted + 1)})
         self.counts.update({f"accepted_at_{i}": 1 for i in range(1, accepted + 1)})
+        n = len(request.output_ids) // OUTPUT_BIN * OUTPUT_BIN
+        self.counts.update({f"runs_from_{n}": 1, f"kept_from_{n}": len(kept)})
 
     def end(self, request: Request) -> None:
         if self.drafter is not None:
