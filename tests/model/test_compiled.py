@@ -317,15 +317,16 @@ def test_compiled_verification_gives_plain_decoding_and_warm_up_builds_its_graph
 def test_compiled_eagle_speculation_reads_the_features_eager_speculation_reads(tok):
     """An EAGLE-3 draft reading AttnRes block outputs (a 4-block target) on a compiled engine: decode and
     verification graphs keep the target features (the capture is part of their shape key: a graph built without
-    it is never reused with it), so every proposal equals the eager engine's — the same tokens, q within 1e-4 —
-    and the answers equal plain decoding; after `Engine.warm_up` nothing compiles."""
+    it is never reused with it) and the draft's own steps are compiled, so every proposal equals the eager engine's
+    — the same tokens, q within 1e-4 — and the answers equal plain decoding; after `Engine.warm_up` nothing
+    compiles."""
     from k3.model.draft import EagleDraft
     from k3.serve.engine import Engine, SamplingParams
     from k3.serve.engine.drafting import EagleDrafter
 
     class Recording(EagleDrafter):
-        def __init__(self, draft: EagleDraft) -> None:
-            super().__init__(draft)
+        def __init__(self, draft: EagleDraft, compile: bool = False) -> None:
+            super().__init__(draft, compile=compile)
             self.proposals: list = []
 
         def propose(self, *args, **kwargs):
@@ -352,15 +353,45 @@ def test_compiled_eagle_speculation_reads_the_features_eager_speculation_reads(t
     compiled = CompiledModel(model, batches=(2,), sizes=(1,), tuned=False)
     compiled.decode(torch.zeros(2, 1, dtype=torch.long), DecoderState.stack([compiled._context(2)] * 2))  # no capture
     built = compiled.compilations
-    fast, eager = Recording(draft), Recording(draft)
+    fast, eager = Recording(draft, compile=True), Recording(draft)  # the draft's steps compiled too
     engine = Engine(model, tok, max_batch=2, compile=compiled, drafter=fast, num_draft_tokens=3, adaptive_draft=False)
     engine.warm_up()
+    fast.proposals.clear()  # the draft's warm-up proposal
     assert compiled.compilations == built + 2  # decode and verification, both keeping features
     warm = compiled.compilations
     assert run(engine) == run(Engine(model, tok, max_batch=2))
     run(Engine(model, tok, max_batch=2, drafter=eager, num_draft_tokens=3, adaptive_draft=False))
     assert compiled.compilations == warm
     assert len(fast.proposals) == len(eager.proposals) > 0
+    for a, b in zip(fast.proposals, eager.proposals, strict=True):
+        assert a.tokens == b.tokens
+        torch.testing.assert_close(a.q, b.q, atol=1e-4, rtol=0)
+
+
+def test_a_draft_model_drafting_on_compiled_graphs_proposes_what_it_proposes_eagerly(tok):
+    """`ModelDrafter(compile=True)`: the draft model's catch-up reads and draft steps run on its own compiled graphs
+    (here one untuned decode graph, for speed); its proposals are the eager drafter's, tokens and q within 1e-4."""
+    from k3.serve.engine import Engine, SamplingParams
+    from k3.serve.engine.drafting import ModelDrafter
+
+    class Recording(ModelDrafter):
+        def __init__(self, model, compile: bool = False) -> None:
+            super().__init__(model, compile=compile)
+            self.proposals: list = []
+
+        def propose(self, *args, **kwargs):
+            draft = super().propose(*args, **kwargs)
+            self.proposals.append(draft)
+            return draft
+
+    model, draft_model = serving.model(), serving.model(seed=1)
+    fast, eager = Recording(draft_model, compile=True), Recording(draft_model)
+    fast.compiled = CompiledModel(draft_model, batches=(1,), sizes=(1,), tuned=False)
+    prompt, params = serving.prompts()[3], SamplingParams(max_tokens=10, temperature=0)
+    answers = [[t for o in Engine(model, tok, drafter=d, num_draft_tokens=3, adaptive_draft=False).generate(
+        prompt, params) for t in o.token_ids] for d in (fast, eager)]
+    assert answers[0] == answers[1] == [t for o in Engine(model, tok).generate(prompt, params) for t in o.token_ids]
+    assert fast.compiled.compilations > 0 and len(fast.proposals) == len(eager.proposals) > 0
     for a, b in zip(fast.proposals, eager.proposals, strict=True):
         assert a.tokens == b.tokens
         torch.testing.assert_close(a.q, b.q, atol=1e-4, rtol=0)

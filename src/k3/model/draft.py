@@ -223,8 +223,8 @@ class EagleDraft(nn.Module):
 
     @torch.no_grad()
     def propose(self, feature: Tensor, token: int, state: DraftState, gamma: int, params: Any,
-                probabilities: Callable[[Tensor, Any], Tensor],
-                generator: torch.Generator | None = None) -> tuple[list[int], Tensor, DraftState]:
+                probabilities: Callable[[Tensor, Any], Tensor], generator: torch.Generator | None = None,
+                step: Callable | None = None) -> tuple[list[int], Tensor, DraftState]:
         """Draft ``gamma`` tokens for one sequence (SPEC §8).
 
         ``feature`` ``[d]``: the fused target feature at the last accepted position; ``token``: the token after it
@@ -232,7 +232,8 @@ class EagleDraft(nn.Module):
         turns the draft's logits into target-vocabulary probabilities with ``probabilities(row [V], params)``
         (temperature / top-k / top-p as the target's sampler applies them) and takes the argmax when
         ``params.temperature == 0``, else a sample. Returns ``(tokens, q [gamma, V], state)``: the drafted target
-        ids, the distribution each was drawn from and the state after the ``gamma`` positions consumed.
+        ids, the distribution each was drawn from and the state after the ``gamma`` positions consumed. ``step``
+        runs a position in place of this module's forward (a compiled forward).
         """
         if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1:
             raise ValueError(f"gamma: expected a positive integer, got {gamma!r}")
@@ -240,7 +241,7 @@ class EagleDraft(nn.Module):
         current = torch.tensor([[token]], device=hidden.device)
         drafted, qs = [], []
         for _ in range(gamma):
-            logits, hidden, state = self(current, hidden, state)
+            logits, hidden, state = (step or self)(current, hidden, state)
             row = self.to_target(logits[0, -1].to(torch.promote_types(logits.dtype, torch.float32)))
             q = probabilities(row, params)
             pick = row.argmax() if params.temperature == 0 else torch.multinomial(q, 1, generator=generator)[0]

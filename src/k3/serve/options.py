@@ -163,9 +163,9 @@ class EngineOptions:
         path = Path(self.draft)
         if (path / "draft.json").exists() or (path / "latest").exists() and not (path / "model.safetensors").exists() \
                 and any(path.glob("step-*/draft.json")):
-            return EagleDrafter(EagleDraft.load(path, target))
+            return EagleDrafter(EagleDraft.load(path, target), compile=self.compile)
         draft, _ = load(self.draft)
         if draft.config.vocab_size != target.config.vocab_size:
             raise ValueError(f"--draft {self.draft}: vocabulary {draft.config.vocab_size} differs from the target's "
                              f"{target.config.vocab_size}")
-        return ModelDrafter(draft)
+        return ModelDrafter(draft, compile=self.compile)

@@ -26,6 +26,7 @@ import contextlib
 import itertools
 import queue
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 
@@ -127,15 +128,18 @@ class Engine:
 
     def warm_up(self) -> float:
         """Build every compiled graph serving reaches before the first request (`CompiledModel.warm_up`): decode
-        buckets and prefill pieces, and with a drafter whose verification runs compiled its ``γ + 1``-token
-        verification per bucket — keeping the target features a drafter reads, as serving does. Returns the seconds
-        taken (0 without ``compile``)."""
+        buckets and prefill pieces, with a drafter the ``γ + 1``-token verification per bucket and the drafter's
+        own graphs (`Drafter.warm_up`) — keeping the target features a drafter reads, as serving does. Returns the
+        seconds taken (0 without ``compile``)."""
         if self.compiled is None:
             return 0.0
+        start = time.perf_counter()
+        if self.speculator.drafter is not None:
+            self.speculator.drafter.warm_up(self.speculator.gamma)
         layers = self.speculator.feature_layers
         with self.model.capture(list(layers), self.speculator.feature_source) if layers else contextlib.nullcontext():
-            return self.compiled.warm_up(self.max_batch, self.max_model_len, self.runner.verify_width or 0,
-                                         prefill=not layers)
+            self.compiled.warm_up(self.max_batch, self.max_model_len, self.runner.verify_width or 0, prefill=not layers)
+        return time.perf_counter() - start
 
     @property
     def speculation(self) -> Counter[str]:

@@ -65,6 +65,9 @@ class NGramDrafter:
                 return out
         return []
 
+    def warm_up(self, gamma: int) -> None:
+        """Nothing compiles."""
+
     def observe(self, request_id: str, tokens: list[int], features: torch.Tensor | None) -> None:
         """Nothing to read: `propose` is given the request's tokens."""
 
