@@ -94,7 +94,8 @@ def replay_bytes(config, gamma: int) -> tuple[int, int]:
 def build(options: EngineOptions, target, tokenizer, compiled: CompiledModel | None) -> Engine:
     """`EngineOptions.build` with a shared set of compiled graphs."""
     return Engine(target, tokenizer, max_batch=options.max_batch, prefill_chunk=options.prefill_chunk,
-                  drafter=options.drafter(target), num_draft_tokens=options.num_draft_tokens,
+                  drafter=replace(options, compile=compiled is not None).drafter(target),  # the draft's steps too
+                  num_draft_tokens=options.num_draft_tokens,
                   adaptive_draft=not options.always_draft, compile=compiled)
 
 

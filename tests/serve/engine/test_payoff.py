@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from k3.serve.engine.payoff import DraftLength, expected_tokens
+from k3.serve.engine.payoff import DraftLength, StepCost, expected_tokens
 
 
 @given(st.floats(0, 1), st.integers(0, 6))
@@ -94,3 +94,47 @@ def test_a_model_drafter_catches_up_after_steps_without_drafts():
     b = fresh.propose("r", tokens[:20], tokens[20], params, tokens[:10], tokens[10:21], None, 3)
     assert a.tokens == b.tokens
     torch.testing.assert_close(a.q, b.q, atol=1e-5, rtol=0)
+
+
+def test_step_cost_prices_a_drafted_position_from_timed_steps():
+    """``c = (r − 1)·B / n`` from a speculative step r plain steps long at batch B with n drafted positions, per
+    batch size, decayed; the stated cost until a plain step of that batch size was timed; the first step and one
+    in ``every`` are plain ones."""
+    cost = StepCost(0.1, every=4, decay=0.5)
+    cost.record(1, 4, 2.0)  # no plain step of batch 1 yet
+    assert cost.value == 0.1
+    cost.record(1, 0, 1.0)
+    cost.record(1, 4, 2.0)
+    assert cost.value == pytest.approx(0.25)
+    cost.record(8, 0, 2.0)
+    cost.record(8, 16, 3.0)  # (1.5 − 1)·8 / 16 = 0.25
+    assert cost.value == pytest.approx(0.25)
+    cost.record(1, 2, 3.0)  # (3 − 1)·1 / 2 = 1.0, averaged with 0.25
+    assert cost.value == pytest.approx(0.625)
+    assert [cost.plain_step() for _ in range(8)] == [True, False, False, False] * 2
+
+
+@pytest.mark.parametrize("price", [0.05, 2.0])
+def test_the_measured_price_of_a_draft_decides_whether_to_draft(tok, monkeypatch, price):
+    """Drafts the target always accepts (`serving.Cycling`, an n-gram drafter), steps timed as if a drafted position
+    cost ``price`` plain steps (a synthetic clock: tests never read wall time): cheap drafts keep drafting, and at
+    2 plain steps a position even fully accepted drafts lose — (γ + 1) / (1 + 2γ) < 1 — so drafting all but stops,
+    while the tokens stay plain decoding's."""
+    import serving
+    from k3.serve.engine import Engine, SamplingParams
+    from k3.serve.engine.drafting import Speculator
+    from k3.serve.engine.ngram import NGramDrafter
+
+    timed = Speculator.timed
+    monkeypatch.setattr(Speculator, "timed", lambda self, seconds: timed(self, 1.0 + price * self._proposed[1]))
+    model = serving.Cycling()
+    prompt, params = serving.prompts()[3] + serving.CYCLE * 2, SamplingParams(max_tokens=80, temperature=0)
+    engine = Engine(model, tok, drafter=NGramDrafter(model.config.vocab_size), num_draft_tokens=4)
+    tokens = [t for o in engine.generate(prompt, params) for t in o.token_ids]
+    assert tokens == [t for o in Engine(model, tok).generate(prompt, params) for t in o.token_ids]
+    stats = engine.speculation
+    assert engine.speculator.cost.measured == pytest.approx(price, rel=1e-6)
+    if price < 1:
+        assert stats["accepted"] > 40
+    else:
+        assert stats["drafted"] < 12 and stats["plain"] > 30

@@ -262,3 +262,16 @@ def test_an_aborted_prefill_leaves_only_complete_boundaries(model, tok):
     torch.testing.assert_close(hit.state.layers[0].recurrent, want.layers[0].recurrent, rtol=0, atol=1e-5)
     cache.release(hit.keys)
     assert cache.pinned() == 0 and cache.stats.checkpoints_added == 1
+
+
+def test_sizes_count_a_tail_checkpoints_recurrent_part(model):
+    """`sizes` reports a KDA checkpoint's bytes — every KDA layer's window and state and the depth sources — also
+    when the cache holds only tail checkpoints (whose MLA rows are not part of it)."""
+    rng = random.Random(6)
+    tokens = words(rng, 40)  # two blocks (a page) and a tail of 8
+    state = full_prefill(model, tokens, [])
+    cache = new_cache(model)
+    cache.insert(tokens, state)
+    want = sum(t.numel() * t.element_size() for layer in state.layers if isinstance(layer, KDAState)
+               for t in (layer.conv, layer.recurrent)) + state.depth.numel() * state.depth.element_size()
+    assert cache.sizes()["kda_checkpoint_bytes"] == want

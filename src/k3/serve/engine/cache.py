@@ -164,7 +164,8 @@ class PrefixCache:
         checkpoint. Measured on the entries held (empty until a page and a checkpoint exist)."""
         with self._lock:
             page = next((e.nbytes for k, e in self._entries.items() if k[0] == "page"), None)
-            checkpoint = next((e.nbytes for k, e in self._entries.items() if k[0] == "checkpoint"), None)
+            checkpoint = next((_nbytes(e.tensors[:1 + 2 * self.kinds.count("kda")]) for k, e in self._entries.items()
+                               if k[0] in ("checkpoint", "tail")), None)  # a tail's KDA part
         if page is None or checkpoint is None:
             return {}
         per_token = page / (self.block * self.page_blocks)

@@ -208,9 +208,12 @@ class Engine:
         """Schedule, run one model pass, sample, and report every request's outputs (module docstring)."""
         with self._step_lock:
             self._abort_cancelled()
-            for forward in self._passes(self.scheduler.schedule()):
+            plan, start = self.scheduler.schedule(), time.perf_counter()
+            for forward in self._passes(plan):
                 for sampled in self.sampler.sample(forward):
                     self._commit(sampled)
+            if plan.decoding and not plan.pieces:  # a pure decode step prices speculation (`Speculator.timed`)
+                self.speculator.timed(time.perf_counter() - start)
             self._abort_cancelled()
 
     def _passes(self, plan: StepPlan) -> Iterator[Forward]:

@@ -29,7 +29,7 @@ from k3.model.compiled import CompiledModel
 from k3.model.draft import DraftState, EagleDraft
 from k3.model.lm import K3ForCausalLM
 from k3.model.state import DecoderState
-from k3.serve.engine.payoff import DraftLength
+from k3.serve.engine.payoff import DraftLength, StepCost
 from k3.serve.engine.sampling import SamplingParams, process
 from k3.serve.engine.request import Request
 from k3.serve.engine.speculative import probabilities
@@ -244,15 +244,22 @@ class Speculator:
         self.feature_layers = None if drafter is None else drafter.feature_layers
         self.feature_source = None if drafter is None else drafter.feature_source
         self.lengths = DraftLength(num_draft_tokens, drafter.cost) if drafter is not None and adaptive else None
+        self.cost = StepCost(drafter.cost) if self.lengths is not None else None
         self.counts: Counter[str] = Counter()
+        self._proposed = (0, 0)  # the last `propose`: requests decoding, positions drafted
 
     def propose(self, requests: list[Request]) -> dict[Request, Draft]:
         """This step's drafts of the decoding ``requests`` that speculate: not under a grammar (its matcher would
         have to roll back), with room for a draft — no more drafts than tokens the request may still emit (one is
-        the bonus) or the context holds — and a draft proposed (an n-gram drafter may find none)."""
+        the bonus) or the context holds — and a draft proposed (an n-gram drafter may find none). Adaptively, one
+        step in `StepCost.every` drafts nothing, to time plain decoding (`timed`)."""
         if self.drafter is None:
             return {}
-        out = {}
+        out: dict[Request, Draft] = {}
+        if self.cost is not None and requests and self.cost.plain_step():
+            self.counts["plain"] += len(requests)
+            self._proposed = (len(requests), 0)
+            return out
         for r in requests:
             wanted = self.gamma if self.lengths is None else self.lengths.length(r.id)
             length = min(wanted, r.params.max_tokens - len(r.output_ids) - 1, self.max_model_len - r.state.position - 2)
@@ -264,7 +271,15 @@ class Speculator:
                 out[r] = draft
             else:
                 self.counts["plain"] += 1
+        self._proposed = (len(requests), sum(len(d.tokens) for d in out.values()))
         return out
+
+    def timed(self, seconds: float) -> None:
+        """The step of the last `propose` (decoding only, no prefill in it) took ``seconds``: measure the price of
+        a drafted position (`StepCost`) and draft by it."""
+        if self.cost is not None and self._proposed[0]:
+            self.cost.record(*self._proposed, seconds)
+            self.lengths.cost = self.cost.value
 
     def observe(self, request: Request, tokens: list[int], features: Tensor | None) -> None:
         """The target consumed ``tokens`` of ``request`` with ``features`` (for a drafter that reads them); the first

@@ -9,13 +9,18 @@ decode steps is ``C(γ) = 1 + c·γ``, ``c`` the drafter's stated price of a dra
 the γ ≤ ``gamma`` maximising E/C. When no γ > 0 beats plain decoding (E/C ≤ 1) the request decodes plainly for
 ``pause`` steps, then probes with one draft; the pause doubles while probes keep losing (up to ``max_pause``).
 Tokens never depend on this choice (verification is lossless): only how many are drafted does.
+
+The stated ``c`` is a guess; what a drafted position really costs depends on the machine, compiled graphs or not,
+and the batch. `StepCost` measures it: the first decode step (no prefill in it) and every ``every``-th after it
+draft nothing, timing a plain step at that batch size; a step with ``n`` drafted positions at batch ``B`` that took ``r`` plain steps' time
+gives ``c = (r − 1)·B / n``, averaged with weight ``decay``. Once measured, that ``c`` replaces the stated one.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["DraftLength", "expected_tokens"]
+__all__ = ["DraftLength", "StepCost", "expected_tokens"]
 
 
 def expected_tokens(alpha: float, gamma: int) -> float:
@@ -76,3 +81,39 @@ class DraftLength:
 
     def end(self, request_id: str) -> None:
         self._records.pop(request_id, None)
+
+
+class StepCost:
+    """The measured price of a drafted position in plain decode steps (module docstring); ``value`` is the stated
+    ``cost`` until a speculative step could be compared with a plain one of its batch size."""
+
+    def __init__(self, cost: float, every: int = 16, decay: float = 0.9) -> None:
+        if cost < 0 or every < 2 or not 0 < decay < 1:
+            raise ValueError(f"step cost: invalid settings cost={cost}, every={every}, decay={decay}")
+        self.stated, self.every, self.decay = cost, every, decay
+        self.measured: float | None = None
+        self._plain: dict[int, float] = {}  # batch size -> decayed mean seconds of a plain decode step
+        self._steps = 0
+
+    @property
+    def value(self) -> float:
+        return self.stated if self.measured is None else self.measured
+
+    def plain_step(self) -> bool:
+        """Whether this decode step drafts nothing, to time a plain step: the first, then one in ``every``."""
+        self._steps += 1
+        return self._steps % self.every == 1
+
+    def record(self, batch: int, drafted: int, seconds: float) -> None:
+        """A decode step of ``batch`` requests with ``drafted`` positions drafted in all took ``seconds``."""
+        if batch < 1 or seconds <= 0:
+            return
+        if drafted == 0:
+            old = self._plain.get(batch)
+            self._plain[batch] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
+            return
+        plain = self._plain.get(batch)
+        if plain is None:
+            return
+        cost = max(0.0, (seconds / plain - 1) * batch / drafted)
+        self.measured = cost if self.measured is None else self.decay * self.measured + (1 - self.decay) * cost
