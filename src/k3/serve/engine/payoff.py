@@ -12,8 +12,9 @@ Tokens never depend on this choice (verification is lossless): only how many are
 
 The stated ``c`` is a guess; what a drafted position really costs depends on the machine, compiled graphs or not,
 and the batch. `StepCost` measures it: the first decode step (no prefill in it) and every ``every``-th after it
-draft nothing, timing a plain step at that batch size; a step with ``n`` drafted positions at batch ``B`` that took ``r`` plain steps' time
-gives ``c = (r − 1)·B / n``, averaged with weight ``decay``. Once measured, that ``c`` replaces the stated one.
+draft nothing, timing a plain step at that batch size; a step with ``n`` drafted positions at batch ``B`` that took
+``r`` plain steps' time gives ``c = (r − 1)·B / n``, averaged with weight ``decay``. Once measured, that ``c``
+replaces the stated one.
 """
 
 from __future__ import annotations
