@@ -85,3 +85,19 @@ class Cycling(K3ForCausalLM):
             read = ids.reshape(-1) if every else ids[:, -1]
             logits[torch.arange(len(read)), self.successor[read]] += 1e4
         return results
+
+
+def recording(drafter_class: type) -> type:
+    """``drafter_class`` keeping every proposal it makes in ``.proposals``."""
+
+    class Recording(drafter_class):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.proposals: list = []
+
+        def propose(self, *args, **kwargs):
+            draft = super().propose(*args, **kwargs)
+            self.proposals.append(draft)
+            return draft
+
+    return Recording

@@ -281,6 +281,16 @@ def test_a_batch_between_buckets_keeps_its_caches_growing_in_place(monkeypatch):
     assert logits.shape[0] == 3 and state.batch_size == 3
 
 
+def _together(engine, prompts: list[list[int]], params: list) -> list[list[int]]:
+    """Run ``prompts`` (with ``params``) together; their tokens."""
+    tokens: dict[int, list[int]] = {}
+    engine.add_requests([(p, q, None, lambda o, i=i: tokens.setdefault(i, []).extend(o.token_ids))
+                         for i, (p, q) in enumerate(zip(prompts, params))])
+    while engine.has_work():
+        engine.step()
+    return [tokens[i] for i in range(len(prompts))]
+
+
 def test_compiled_verification_gives_plain_decoding_and_warm_up_builds_its_graphs(tok):
     """Speculation on compiled graphs (issue 36): an n-gram drafter drafting γ = 3 every step, its verification rows
     (right-padded to γ + 1, stacked, the batch padded to its bucket when one request runs alone) through the
@@ -294,14 +304,6 @@ def test_compiled_verification_gives_plain_decoding_and_warm_up_builds_its_graph
     prompts = [text[:40] + serving.CYCLE * 2, text[50:90] + serving.CYCLE[:4]]
     params = [SamplingParams(max_tokens=n, temperature=0) for n in (24, 12)]  # the second ends first: a row alone
 
-    def run(engine: Engine) -> list[list[int]]:
-        tokens: dict[int, list[int]] = {}
-        engine.add_requests([(p, q, None, lambda o, i=i: tokens.setdefault(i, []).extend(o.token_ids))
-                             for i, (p, q) in enumerate(zip(prompts, params))])
-        while engine.has_work():
-            engine.step()
-        return [tokens[i] for i in range(len(prompts))]
-
     compiled = CompiledModel(model, batches=(2,), sizes=(1,), tuned=False)
     engine = Engine(model, tok, max_batch=2, compile=compiled, drafter=NGramDrafter(model.config.vocab_size),
                     num_draft_tokens=3, adaptive_draft=False)
@@ -309,7 +311,7 @@ def test_compiled_verification_gives_plain_decoding_and_warm_up_builds_its_graph
     built = compiled.compilations
     assert sorted((kind, batch, length) for kind, batch, length, *_ in compiled.compile_seconds) == [
         ("decode", 2, 1), ("verify", 2, 4)]
-    assert run(engine) == run(Engine(model, tok, max_batch=2))
+    assert _together(engine, prompts, params) == _together(Engine(model, tok, max_batch=2), prompts, params)
     assert engine.speculation["runs"] > 0 and engine.speculation["accepted"] > 0
     assert compiled.compilations == built
 
@@ -324,16 +326,7 @@ def test_compiled_eagle_speculation_reads_the_features_eager_speculation_reads(t
     from k3.serve.engine import Engine, SamplingParams
     from k3.serve.engine.drafting import EagleDrafter
 
-    class Recording(EagleDrafter):
-        def __init__(self, draft: EagleDraft, compile: bool = False) -> None:
-            super().__init__(draft, compile=compile)
-            self.proposals: list = []
-
-        def propose(self, *args, **kwargs):
-            draft = super().propose(*args, **kwargs)
-            self.proposals.append(draft)
-            return draft
-
+    Recording = serving.recording(EagleDrafter)
     tiny = preset("tiny")
     torch.manual_seed(0)
     model = K3ForCausalLM(dataclasses.replace(tiny, attn_res=dataclasses.replace(tiny.attn_res, block_size=1)))
@@ -341,14 +334,6 @@ def test_compiled_eagle_speculation_reads_the_features_eager_speculation_reads(t
     assert draft.config.feature_source == "blocks"
     prompts = [serving.prompts()[3], serving.prompts()[5][:30]]
     params = [SamplingParams(max_tokens=n, temperature=0) for n in (14, 8)]
-
-    def run(engine: Engine) -> list[list[int]]:
-        tokens: dict[int, list[int]] = {}
-        engine.add_requests([(p, q, None, lambda o, i=i: tokens.setdefault(i, []).extend(o.token_ids))
-                             for i, (p, q) in enumerate(zip(prompts, params))])
-        while engine.has_work():
-            engine.step()
-        return [tokens[i] for i in range(len(prompts))]
 
     compiled = CompiledModel(model, batches=(2,), sizes=(1,), tuned=False)
     compiled.decode(torch.zeros(2, 1, dtype=torch.long), DecoderState.stack([compiled._context(2)] * 2))  # no capture
@@ -359,8 +344,9 @@ def test_compiled_eagle_speculation_reads_the_features_eager_speculation_reads(t
     fast.proposals.clear()  # the draft's warm-up proposal
     assert compiled.compilations == built + 2  # decode and verification, both keeping features
     warm = compiled.compilations
-    assert run(engine) == run(Engine(model, tok, max_batch=2))
-    run(Engine(model, tok, max_batch=2, drafter=eager, num_draft_tokens=3, adaptive_draft=False))
+    assert _together(engine, prompts, params) == _together(Engine(model, tok, max_batch=2), prompts, params)
+    _together(Engine(model, tok, max_batch=2, drafter=eager, num_draft_tokens=3, adaptive_draft=False), prompts,
+              params)
     assert compiled.compilations == warm
     assert len(fast.proposals) == len(eager.proposals) > 0
     for a, b in zip(fast.proposals, eager.proposals, strict=True):
@@ -374,16 +360,7 @@ def test_a_draft_model_drafting_on_compiled_graphs_proposes_what_it_proposes_eag
     from k3.serve.engine import Engine, SamplingParams
     from k3.serve.engine.drafting import ModelDrafter
 
-    class Recording(ModelDrafter):
-        def __init__(self, model, compile: bool = False) -> None:
-            super().__init__(model, compile=compile)
-            self.proposals: list = []
-
-        def propose(self, *args, **kwargs):
-            draft = super().propose(*args, **kwargs)
-            self.proposals.append(draft)
-            return draft
-
+    Recording = serving.recording(ModelDrafter)
     model, draft_model = serving.model(), serving.model(seed=1)
     fast, eager = Recording(draft_model, compile=True), Recording(draft_model)
     fast.compiled = CompiledModel(draft_model, batches=(1,), sizes=(1,), tuned=False)

@@ -162,17 +162,7 @@ def test_a_marked_head_is_checkpointed_for_the_next_conversation(model, tok, len
         e.stop()
 
 
-class Recording(EagleDrafter):
-    """An EAGLE drafter that keeps every proposal."""
-
-    def __init__(self, draft: EagleDraft) -> None:
-        super().__init__(draft)
-        self.proposals: list = []
-
-    def propose(self, *args, **kwargs):
-        draft = super().propose(*args, **kwargs)
-        self.proposals.append(draft)
-        return draft
+Recording = serving.recording(EagleDrafter)  # an EAGLE drafter that keeps every proposal
 
 
 def test_an_eagle_draft_resumes_with_the_target_after_a_cache_hit(model, tok):
