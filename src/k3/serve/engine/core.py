@@ -22,7 +22,6 @@ blocking iterator that works with or without it.
 from __future__ import annotations
 
 import contextlib
-
 import itertools
 import queue
 import threading

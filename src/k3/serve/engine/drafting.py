@@ -47,6 +47,7 @@ class Draft:
 
 OUTPUT_BIN = 16  # output tokens per bin of the acceptance-by-output-length counts
 
+
 class Drafter(Protocol):
     """Proposes tokens for one request at a time; keyed by the engine's request id. ``feature_layers`` (None for
     a drafter that does not read the target) are the target layers whose features `observe` receives: what
@@ -149,7 +150,6 @@ class ModelDrafter:
 
     def restore(self, request_id: str, key: bytes) -> None:
         """Nothing to restore (`save`)."""
-
 
 
 @dataclass

@@ -151,9 +151,7 @@ class Scheduler:
         boundary = request.boundary if request.boundary and request.boundary.position <= len(consumed) else None
         if boundary is not None:
             cache.insert(consumed[:boundary.position], boundary.with_attention(request.state), request.salt)
-        whole = len(consumed) // cache.block * cache.block
-        if whole > max(len(request.prompt), 0 if boundary is None else boundary.position):
-            cache.insert(consumed[:whole], request.state, request.salt, checkpoint=False)
+        cache.insert(consumed, request.state, request.salt, checkpoint=False)  # the pages of its full blocks
 
     def _admit(self) -> None:
         """Fill free batch slots from the waiting groups in turn (one request per group per turn)."""
