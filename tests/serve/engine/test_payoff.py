@@ -138,3 +138,23 @@ def test_the_measured_price_of_a_draft_decides_whether_to_draft(tok, monkeypatch
         assert stats["accepted"] > 40
     else:
         assert stats["drafted"] < 12 and stats["plain"] > 30
+
+
+def test_a_probe_that_drafts_nothing_is_followed_by_another():
+    """An n-gram drafter may find no match at the probe: no run is verified, so no update comes. The request must
+    still probe again later (before, it decoded plainly for good: a code edit lost its 1.78x)."""
+    lengths = DraftLength(gamma=4, cost=0.1, prior=0.0, pause=4)
+    lengths.update("r", 4, 0)
+    assert [lengths.length("r") for _ in range(4)] == [0, 0, 0, 1]  # the probe: the drafter finds nothing
+    later = [lengths.length("r") for _ in range(10)]
+    assert later == [0, 0, 0, 0, 1] * 2  # the same pause again, not doubled: the probe said nothing
+    lengths.update("r", 1, 1)
+    lengths.update("r", 1, 1)
+    assert lengths.length("r") > 0
+
+
+def test_a_price_rise_without_runs_still_probes():
+    """The measured price can make drafting lose before any run: the request still probes after a pause."""
+    lengths = DraftLength(gamma=4, cost=0.1, pause=4)
+    lengths.cost = 10.0
+    assert [lengths.length("r") for _ in range(5)] == [0, 0, 0, 0, 1]

@@ -7,7 +7,9 @@ decode steps is ``C(γ) = 1 + c·γ``, ``c`` the drafter's stated price of a dra
 `EagleDrafter.cost`, ...). `DraftLength` estimates α per request from its own runs — the geometric estimate
 Σ accepted / Σ examined, each run's counts decayed by ``decay`` so it follows a request whose text changes — and picks
 the γ ≤ ``gamma`` maximising E/C. When no γ > 0 beats plain decoding (E/C ≤ 1) the request decodes plainly for
-``pause`` steps, then probes with one draft; the pause doubles while probes keep losing (up to ``max_pause``).
+``pause`` steps, then probes with one draft; the pause doubles while probes keep losing (up to ``max_pause``). A
+probe that drafted nothing (an n-gram drafter found no match) pauses again for as long, so a request is never
+left without probes.
 Tokens never depend on this choice (verification is lossless): only how many are drafted does.
 
 The stated ``c`` is a guess; what a drafted position really costs depends on the machine, compiled graphs or not,
@@ -67,7 +69,11 @@ class DraftLength:
         if r.paused:
             r.paused -= 1
             return 0 if r.paused else min(1, self.gamma)  # the pause's last step probes with one draft
-        return self.best(self.acceptance(request_id))
+        best = self.best(self.acceptance(request_id))
+        if best == 0:  # no run will come to update α (a probe found nothing to draft, or the price rose): wait again
+            r.pause = r.pause or self.min_pause
+            r.paused = r.pause
+        return best
 
     def update(self, request_id: str, drafted: int, accepted: int) -> None:
         """A verified run of ``drafted`` drafts kept ``accepted`` of them."""
