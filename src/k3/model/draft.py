@@ -214,6 +214,13 @@ class EagleDraft(nn.Module):
         h = h + self.ffn(self.ffn_norm(h))
         return self.norm(h) @ self.head_weight().T, h, state
 
+    def read(self, tokens: Tensor, hidden: Tensor, state: DraftState) -> DraftState:
+        """The state after ``forward(tokens, hidden, state)``, without what only the outputs need (the FFN and the
+        LM head): how the draft catches up on positions the target consumed."""
+        e = self.embed_norm(self.target.embed(tokens, None))
+        _, state = self.mixer(self.mixer_norm(self.in_proj(torch.cat([e, self.hidden_norm(hidden)], dim=-1))), state)
+        return state
+
     def to_target(self, logits: Tensor) -> Tensor:
         """Draft-vocabulary logits ``[..., V_draft]`` as target-vocabulary logits (−inf where no draft id maps)."""
         if self.d2t is None:

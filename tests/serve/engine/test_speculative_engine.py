@@ -200,3 +200,57 @@ def test_k3_chat_with_a_draft_checkpoint_answers_as_without(tmp_path, monkeypatc
     monkeypatch.setattr(sys, "stdin", io.StringIO(""))
     assert main(["chat", "--ckpt", str(target), "--draft", str(tmp_path / "broken")]) == 2
     assert "draft" in capsys.readouterr().err
+
+
+def counting_reads(draft: EagleDraft) -> list[int]:
+    """Record the positions of each `EagleDraft.read` call made after this (by drafters built after it)."""
+    reads, read = [], draft.read
+
+    def counted(tokens, hidden, state):
+        reads.append(tokens.shape[1])
+        return read(tokens, hidden, state)
+
+    draft.read = counted
+    return reads
+
+
+def test_lazy_draft_reads_equal_a_read_per_step_and_a_teacher_forced_pass():
+    """EAGLE's reads wait for the next proposal (or ``read_every`` positions): the proposal equals one made by a
+    drafter that read every piece at once, and the draft's own full pass over the sequence (its first q)."""
+    torch.manual_seed(0)
+    target = serving.model()
+    draft = EagleDraft(target, DraftConfig(layer_kind="kda")).eval()
+    d = draft.in_proj.weight.shape[0]
+    pieces = [20, *[1] * 10, 3, 1]  # a prefill chunk, decode steps, a verified run, a decode step
+    tokens = [[int(t) for t in torch.randint(0, 200, (n,))] for n in pieces]
+    features = [torch.randn(n, 3, d) for n in pieces]
+    every = EagleDrafter(draft, read_every=1)
+    reads = counting_reads(draft)
+    lazy = EagleDrafter(draft)
+    for piece, f in zip(tokens, features):
+        every.observe("r", piece, f)
+        lazy.observe("r", piece, f)
+    assert reads == []
+    params = SamplingParams(temperature=0)
+    want = every.propose("r", [], 7, params, [], [], None, 3)
+    got = lazy.propose("r", [], 7, params, [], [], None, 3)
+    assert reads == [sum(pieces) - 1]
+    assert got.tokens == want.tokens
+    torch.testing.assert_close(got.q, want.q, rtol=0, atol=1e-5)
+
+    flat = [t for piece in tokens for t in piece]
+    with torch.no_grad():
+        hidden = draft.fuse(list(torch.cat(features).unbind(-2)))
+        logits, _, _ = draft(torch.tensor([flat[1:] + [7]]), hidden[None])
+    torch.testing.assert_close(got.q[0], probabilities(draft.to_target(logits[0, -1]), params), rtol=0, atol=1e-5)
+
+
+def test_lazy_draft_reads_are_bounded():
+    """Steps that draft nothing read the draft once per ``read_every`` positions (the first has no feature before
+    it): what waits stays bounded."""
+    draft = EagleDraft(serving.model(), DraftConfig(layer_kind="kda"))
+    reads = counting_reads(draft)
+    drafter = EagleDrafter(draft, read_every=16)
+    for t in range(100):
+        drafter.observe("r", [t], torch.randn(1, 3, draft.in_proj.weight.shape[0]))
+    assert reads == [15] + [16] * 5

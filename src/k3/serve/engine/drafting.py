@@ -154,47 +154,68 @@ class ModelDrafter:
 
 @dataclass
 class _Sequence:
+    """A request's draft: its state, the fused target feature at the last position it read, and the positions the
+    target consumed since (tokens and raw features, in order), not read yet."""
+
     state: DraftState
-    feature: Tensor | None = None  # the fused target feature at the last position the target consumed
+    feature: Tensor | None = None
+    unread: tuple[tuple[list[int], Tensor], ...] = ()
+
+    def waiting(self) -> int:
+        return sum(len(tokens) for tokens, _ in self.unread)
 
 
 class EagleDrafter:
     """Drafts with an EAGLE-3 draft (`k3.model.draft.EagleDraft`) from the target's own features: every position
     the target consumes is paired with the next token and read by the draft with its *true* fused feature, so
-    after a verification the draft continues exactly from the accepted prefix.
+    after a verification the draft continues exactly from the accepted prefix. The reads are lazy: the positions
+    wait until the next proposal or until ``read_every`` of them have come, then one call reads them
+    (`EagleDraft.read`: no FFN, no LM head), so steps that draft nothing (an adaptive pause) cost the draft almost
+    nothing.
 
     The target skips the positions a prefix-cache hit restores, so their features never reach the draft: the draft's
     own state is kept beside each checkpoint the cache writes (`save`, the last ``max_saved``) and restored with it
     (vLLM caches the draft's KV blocks beside the target's). A hit whose draft state was dropped starts the draft
     from the positions the target reads (drafts stay verified: only acceptance suffers). With ``compile`` the draft's
-    steps run through ``torch.compile`` (dynamic shapes: one graph serves every context length; 4x faster proposals
-    of `mini`'s draft on CPU)."""
+    steps and reads run through ``torch.compile`` (dynamic shapes: one graph serves every context length; 4x faster
+    proposals of `mini`'s draft on CPU)."""
 
     cost = 0.25  # one draft layer and the LM head per drafted position, and its verified position (stated)
 
-    def __init__(self, draft: EagleDraft, max_saved: int = 256, compile: bool = False) -> None:
+    def __init__(self, draft: EagleDraft, max_saved: int = 256, compile: bool = False, read_every: int = 64) -> None:
         self.draft = draft.eval()
         self._step = torch.compile(self.draft.forward, dynamic=True) if compile else self.draft
+        self._read = torch.compile(self.draft.read, dynamic=True) if compile else self.draft.read
         self.feature_layers, self.feature_source = draft.config.feature_layers, draft.config.feature_source
-        self.max_saved = max_saved
+        self.max_saved, self.read_every = max_saved, read_every
         self._sequences: dict[str, _Sequence] = {}
         self._saved: OrderedDict[bytes, _Sequence] = OrderedDict()  # by prefix-cache checkpoint key, LRU first
 
-    @torch.inference_mode()
     def observe(self, request_id: str, tokens: list[int], features: Tensor | None) -> None:
         seq = self._sequences.setdefault(request_id, _Sequence(self.draft.new_state(1)))
-        fused = self.draft.fuse(list(features.unbind(-2)))  # [T, d]
+        seq.unread += ((tokens, features),)
+        if seq.waiting() >= self.read_every:
+            self._catch_up(seq)
+
+    @torch.inference_mode()
+    def _catch_up(self, seq: _Sequence) -> None:
+        """Read the waiting positions: each token paired with the fused feature of the position before it."""
+        if not seq.unread:
+            return
+        tokens = [t for piece, _ in seq.unread for t in piece]
+        fused = self.draft.fuse(list(torch.cat([f for _, f in seq.unread]).unbind(-2)))  # [T, d]
         previous = [] if seq.feature is None else [seq.feature[None]]
         hidden = torch.cat([*previous, fused[:-1]])
         paired = tokens if seq.feature is not None else tokens[1:]
         if paired:
-            _, _, seq.state = self._step(torch.tensor([paired], device=hidden.device), hidden[None], seq.state)
-        seq.feature = fused[-1]
+            seq.state = self._read(torch.tensor([paired], device=hidden.device), hidden[None], seq.state)
+        seq.feature, seq.unread = fused[-1], ()
 
     @torch.inference_mode()
     def propose(self, request_id: str, history: list[int], pending: int, params: SamplingParams, prompt: list[int],
                 output: list[int], generator: torch.Generator | None, gamma: int) -> Draft:
         seq = self._sequences[request_id]
+        self._catch_up(seq)
         tokens, q, _ = self.draft.propose(seq.feature, pending, seq.state, gamma, params, probabilities, generator,
                                           self._step)
         return Draft(tokens, q)
@@ -203,8 +224,9 @@ class EagleDrafter:
         """Compile the draft's steps: a read of several positions, then a proposal of ``gamma``."""
         weight = self.draft.in_proj.weight
         features = torch.zeros(8, 3, weight.shape[0], dtype=weight.dtype, device=weight.device)
-        self.observe(" warm-up", [0] * 8, features)
-        self.observe(" warm-up", [0] * 3, features[:3])
+        for length in (8, 3, 1):  # dynamic shapes: sizes 0 and 1 are specialised apart from the rest
+            self.observe(" warm-up", [0] * length, features[:length])
+            self._catch_up(self._sequences[" warm-up"])
         self.propose(" warm-up", [], 0, SamplingParams(temperature=0), [], [], None, gamma)
         self.end(" warm-up")
 
