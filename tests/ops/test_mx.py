@@ -221,3 +221,26 @@ def test_fake_quantize_passes_the_gradient_straight_through():
         mx.fake_quantize(torch.randn(4, 48), "mxfp4")
     with pytest.raises(ValueError, match="floating point"):
         mx.fake_quantize(torch.zeros(32, dtype=torch.int32), "mxfp4")
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_fp64_blocks_beyond_the_largest_scale_saturate_at_it(fmt):
+    """E8M0's largest finite byte is 254 (2^127): an fp64 block above 2^127 · max keeps it and saturates its elements
+    (the byte wrapped before: 2^200 got byte 69 and decoded to 1.4e-17). Up to there the scale is exact."""
+    f = mx.FORMATS[fmt]
+    for exponent in [127 + f.emax, 127 + f.emax + 1, 131, 200, 1023]:
+        x = torch.full((2, mx.BLOCK), 2.0**exponent, dtype=torch.float64)
+        x[1] = -x[1]
+        x[:, 1] /= 4  # a smaller element, to check elements are not all forced to max
+        codes, scale = mx.encode(x, fmt)
+        want = min(exponent - f.emax, 127) + 127
+        assert (scale == want).all(), (exponent, scale)
+        elements = mx.decode(codes, torch.full_like(scale, 127), fmt, torch.float64)  # at 2^0: the elements
+        top = min(2.0 ** (exponent - want + 127), f.max)
+        assert elements[0, 0] == top and elements[1, 0] == -top
+        assert elements[0, 1] == min(2.0 ** (exponent - want + 127) / 4, f.max)
+        decoded = mx.decode(codes, scale, fmt)  # fp32: the largest elements lie beyond its range, so ±inf
+        assert decoded[0, 0] == torch.inf and decoded[1, 0] == -torch.inf and not decoded.isnan().any()
+    if fmt == "mxfp4":
+        packed, scale = mx.quantize(torch.full((1, mx.BLOCK), 2.0**200, dtype=torch.float64))
+        assert scale.item() == 254 and (mx.unpack_fp4(packed) == f.max_code).all()

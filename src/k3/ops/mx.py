@@ -3,7 +3,9 @@ along the last (reduction) axis sharing one E8M0 scale byte ``s``; a block's val
 
 `encode` is exact for any floating input (fp32, bf16, …; computed in fp64):
 
-- shared exponent ``floor(log2 amax) − emax_elem``, clamped below at −127; an all-zero block gets byte 0;
+- shared exponent ``floor(log2 amax) − emax_elem``, clamped to [−127, 127] (bytes 0 … 254; as torchao clamps):
+  an all-zero block gets byte 0, and a wider input's block beyond 2^127 · max (fp64 only) gets byte 254 with its
+  elements saturated;
 - elements are ``x / 2^shared`` rounded to nearest, ties to even, saturating at ±max (E2M1 6, E4M3 448,
   E5M2 57,344); the sign is kept, so a negative value that rounds to zero is −0;
 - a block holding NaN or ±inf gets scale byte 255 (E8M0 NaN; the whole block decodes to NaN) and element codes 0;
@@ -109,7 +111,7 @@ def encode(x: Tensor, fmt: str) -> tuple[Tensor, Tensor]:
     blocks = _blocks(x.detach().to(torch.float64), f"MX encode ({f.name})")
     amax = blocks.abs().amax(-1)  # NaN if the block holds a NaN
     finite = torch.isfinite(amax)
-    shared = torch.where(amax > 0, torch.frexp(amax).exponent - 1 - f.emax, -127).clamp_min(-127)
+    shared = torch.where(amax > 0, torch.frexp(amax).exponent - 1 - f.emax, -127).clamp(-127, 127)
     shared = shared.masked_fill(~finite, 0)
     scaled = torch.ldexp(blocks, -shared.unsqueeze(-1)).masked_fill(~finite.unsqueeze(-1), 0.0)
     codes = f.magnitude_code(scaled.abs()) | (torch.signbit(scaled).long() << (f.bits - 1))
