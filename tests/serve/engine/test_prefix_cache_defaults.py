@@ -185,3 +185,26 @@ def test_an_eagle_draft_resumes_with_the_target_after_a_cache_hit(model, tok):
     for a, b in zip(on.proposals, off.proposals, strict=True):
         assert a.tokens == b.tokens
         torch.testing.assert_close(a.q, b.q, atol=1e-5, rtol=0)
+
+
+def test_an_eagle_draft_resumes_after_the_previous_answer(model, tok):
+    """A finished turn checkpoints where its state stands, and the draft keeps its own state beside it: the next
+    turn's draft proposes exactly what it proposes without the cache (before: it had read only the new message)."""
+    rng = random.Random(15)
+    prompt = words(rng, 100)
+    torch.manual_seed(0)
+    draft = EagleDraft(model, DraftConfig(layer_kind="kda"))
+    on = Recording(draft)
+    with_cache = engine(model, tok, drafter=on, num_draft_tokens=3, adaptive_draft=False)
+    [(answer, _)] = run(with_cache, [prompt], max_tokens=9)
+    on.proposals.clear()
+    turn = prompt + answer + words(rng, 5)
+    [(tokens, cached)] = run(with_cache, [turn], max_tokens=12)
+    off = Recording(draft)
+    [(tokens_off, _)] = run(Engine(model, tok, drafter=off, num_draft_tokens=3, adaptive_draft=False), [turn],
+                            max_tokens=12)
+    assert cached == len(prompt) + len(answer) - 1 and tokens == tokens_off
+    assert len(on.proposals) == len(off.proposals) > 0
+    for a, b in zip(on.proposals, off.proposals, strict=True):
+        assert a.tokens == b.tokens
+        torch.testing.assert_close(a.q, b.q, atol=1e-5, rtol=0)

@@ -265,7 +265,9 @@ class Engine:
 
     def _end(self, request: Request, output: Output) -> None:
         """The request ended with ``output`` (its finish reason): free what it held, then report it."""
-        self.scheduler.finish(request, completed=output.finish_reason in ("stop", "length"))
+        checkpoint = self.scheduler.finish(request, completed=output.finish_reason in ("stop", "length"))
+        if checkpoint is not None:  # the next turn resumes there, and its drafter with it
+            self.speculator.checkpointed(request, checkpoint)
         self.runner.forget(request)
         self.speculator.end(request)
         self.finished[output.finish_reason] += 1

@@ -100,17 +100,20 @@ class Scheduler:
                 return request
         return None
 
-    def finish(self, request: Request, completed: bool = False) -> None:
+    def finish(self, request: Request, completed: bool = False) -> bytes | None:
         """The request ended: it leaves the batch, its state is freed and its cache pins released. A ``completed``
-        request (stop or length) first gives the prefix cache what it generated (module docstring)."""
+        request (stop or length) first gives the prefix cache what it generated (module docstring); the key of a
+        checkpoint written exactly where its state stood is returned (a drafter keeps its own state beside it)."""
         if self.running.get(request.id) is request:
             del self.running[request.id]
+        key = None
         if completed and self.prefix_cache is not None and request.state is not None and request.prompt_done:
-            self._keep_output(request)
+            key = self._keep_output(request)
         request.state = request.boundary = None
         if request.pins:
             self.prefix_cache.release(request.pins)
             request.pins = []
+        return key
 
     # ------------------------------------------------------------------ a step
     def schedule(self) -> StepPlan:
@@ -139,19 +142,19 @@ class Scheduler:
             cache.insert(request.prompt, state, request.salt, checkpoint=len(request.prompt) % cache.block == 0)
         return key
 
-    def _keep_output(self, request: Request) -> None:
-        """The pages of everything the finished ``request`` consumed and a checkpoint exactly where its state stands;
-        when the state stands past the emitted tokens (a stop inside a verified run), the checkpoint is the last
-        block boundary its decoding passed."""
+    def _keep_output(self, request: Request) -> bytes | None:
+        """The pages of everything the finished ``request`` consumed and a checkpoint exactly where its state stands
+        (its key is returned); when the state stands past the emitted tokens (a stop inside a verified run), the
+        checkpoint is the last block boundary its decoding passed (None is returned)."""
         cache = self.prefix_cache
         consumed = (request.prompt + request.output_ids)[:request.state.position]
         if len(consumed) == request.state.position:
-            cache.insert(consumed, request.state, request.salt)
-            return
+            return cache.insert(consumed, request.state, request.salt)
         boundary = request.boundary if request.boundary and request.boundary.position <= len(consumed) else None
         if boundary is not None:
             cache.insert(consumed[:boundary.position], boundary.with_attention(request.state), request.salt)
         cache.insert(consumed, request.state, request.salt, checkpoint=False)  # the pages of its full blocks
+        return None
 
     def _admit(self) -> None:
         """Fill free batch slots from the waiting groups in turn (one request per group per turn)."""
