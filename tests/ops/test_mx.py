@@ -244,3 +244,16 @@ def test_fp64_blocks_beyond_the_largest_scale_saturate_at_it(fmt):
     if fmt == "mxfp4":
         packed, scale = mx.quantize(torch.full((1, mx.BLOCK), 2.0**200, dtype=torch.float64))
         assert scale.item() == 254 and (mx.unpack_fp4(packed) == f.max_code).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_dequantize_reads_every_byte_and_scale_as_decode_does(dtype):
+    """All 256 bytes under scale bytes 0, 1, 126, 127, 128, 200, 254 and 255 (NaN): the byte-pair lookup equals
+    `decode` of the unpacked codes, bit for bit (NaN where decode gives NaN)."""
+    scales = torch.tensor([0, 1, 126, 127, 128, 200, 254, 255], dtype=torch.uint8)
+    packed = torch.arange(256, dtype=torch.uint8).repeat(len(scales), 1)  # [8, 256]: 16 blocks per row
+    scale = scales[:, None].expand(-1, 16).contiguous()
+    got, want = mx.dequantize(packed, scale, dtype), mx.decode(mx.unpack_fp4(packed), scale, "mxfp4", dtype)
+    assert got.dtype == want.dtype == dtype and torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num(0.0), want.nan_to_num(0.0))
+    assert got[-1].isnan().all() and got[0].isfinite().all()

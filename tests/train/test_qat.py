@@ -111,9 +111,18 @@ def runs(tmp_path_factory, corpus) -> dict[str, Path]:
     return {"fp": root / "fp", "qat": root / "qat"}
 
 
-def _logits(model, ids: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        return model(ids)[0]
+def _logits(model, ids: torch.Tensor, kernel: bool = False) -> torch.Tensor:
+    """The logits of ``ids``; packed experts through decoded weights and matmuls, bit for bit as the fake-quantized
+    float model sums, unless ``kernel`` (`k3.ops.mxfp4_kernel`: the same products, summed in another order)."""
+    from k3.model.packed import PackedExperts
+
+    rows = PackedExperts.KERNEL_ROWS
+    PackedExperts.KERNEL_ROWS = rows if kernel else 0
+    try:
+        with torch.no_grad():
+            return model(ids)[0]
+    finally:
+        PackedExperts.KERNEL_ROWS = rows
 
 
 def test_packed_qat_checkpoint_gives_exactly_the_fake_quant_logits(runs, tmp_path, capsys):
@@ -128,6 +137,8 @@ def test_packed_qat_checkpoint_gives_exactly_the_fake_quant_logits(runs, tmp_pat
     assert torch.equal(_logits(packed, ids), _logits(fake, ids))
     for length in (1, 3):  # short inputs: the float path must not take the (differently summed) dense path
         assert torch.equal(_logits(packed, ids[:, :length]), _logits(fake, ids[:, :length]))
+        torch.testing.assert_close(_logits(packed, ids[:, :length], kernel=True), _logits(fake, ids[:, :length]),
+                                   rtol=1e-4, atol=1e-5)
     generated = []
     for ckpt_dir in (runs["qat"], out):
         assert main(["generate", "--ckpt", str(ckpt_dir), "--prompt", "def ", "--max-tokens", "12",

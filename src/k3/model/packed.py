@@ -2,8 +2,9 @@
 
 `PackedExperts` has the dispatch of `k3.model.width.Experts` (sort by expert, one small matmul chain per
 selected expert) but stores each expert as compressed-tensors tensors — ``packed.E.w1`` (gate), ``w3`` (up),
-``w2`` (down), each ``weight_packed`` uint8 ``[out, in/2]`` + ``weight_scale`` E8M0 ``[out, in/32]`` — and
-decodes an expert's weights (exactly, `k3.ops.mx.dequantize`) only when a token is routed to it. Loaded from
+``w2`` (down), each ``weight_packed`` uint8 ``[out, in/2]`` + ``weight_scale`` E8M0 ``[out, in/32]``. A chosen
+expert's few decode-step tokens multiply its packed bytes directly (`k3.ops.mxfp4_kernel`, fp32 on the CPU); else
+its weights are decoded (exactly, `k3.ops.mx.dequantize`) only when a token is routed to it. Loaded from
 memory-mapped shards, an expert's bytes are read from disk the first time it is chosen. The buffers are
 not trainable; `unpack` gives a trainable `Experts` with the same weights.
 """
@@ -17,7 +18,7 @@ from torch import Tensor, nn
 
 from k3.config import MXConfig, SiTUConfig
 from k3.model.width import Experts
-from k3.ops import mx
+from k3.ops import mx, mxfp4_kernel
 
 PROJECTIONS = ("w1", "w2", "w3")  # gate [F, W], down [W, F], up [F, W] as the release names them
 
@@ -51,6 +52,7 @@ class PackedExperts(Experts):
     """
 
     DENSE_LIMIT = 0
+    KERNEL_ROWS = 64  # beyond this many tokens on one expert, decoding its weights once and a matmul is faster
 
     def __init__(self, n_experts: int, width: int, hidden: int, activation: str, situ: SiTUConfig,
                  input_format: str | None = None) -> None:
@@ -69,6 +71,17 @@ class PackedExperts(Experts):
 
     def reset_parameters(self) -> None:
         """Packed weights are data, not initialised parameters."""
+
+    def expert(self, e: int, xs: Tensor) -> Tensor:
+        """Expert ``e`` on its tokens ``xs`` ``[n, W]``: up to ``KERNEL_ROWS`` fp32 rows on the CPU through the
+        packed-byte kernel (`k3.ops.mxfp4_kernel`), which never decodes the weights to floats; otherwise (or without
+        the kernel) the weights decoded, then a matmul."""
+        x = self._input(xs)
+        if xs.shape[0] > self.KERNEL_ROWS or not mxfp4_kernel.available(x):
+            return super().expert(e, xs)
+        p = self.packed[e]
+        gate, up = (mxfp4_kernel.gemv(x, w.weight_packed, w.weight_scale) for w in (p.w1, p.w3))
+        return mxfp4_kernel.gemv(self._input(self.activate(gate, up)), p.w2.weight_packed, p.w2.weight_scale)
 
     def expert_weights(self, e: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """Expert ``e``'s weights decoded exactly into ``dtype``: ``(cat(w1, w3) [2F, W], w2 [W, F])``."""

@@ -212,7 +212,11 @@ class Experts(nn.Module):
         """Expert ``e`` on its tokens ``xs`` ``[n, W]``."""
         gate_up, down = self.expert_weights(e, xs.dtype)
         gate, up = (self._input(xs) @ gate_up.T).split(self.hidden, dim=-1)
-        return self._input(_activate(gate, up, self.activation, self.gate_cap, self.up_cap)) @ down.T
+        return self._input(self.activate(gate, up)) @ down.T
+
+    def activate(self, gate: Tensor, up: Tensor) -> Tensor:
+        """The experts' gated activation (SiTU or SwiGLU, SPEC Eq. 18) of ``gate`` and ``up``."""
+        return _activate(gate, up, self.activation, self.gate_cap, self.up_cap)
 
     def expert_weights(self, e: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """Expert ``e``'s ``(gate_up [2F, W], down [W, F])`` as it computes: MX fake-quantized (blocks along

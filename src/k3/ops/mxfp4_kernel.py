@@ -1,0 +1,104 @@
+"""The optional CPU kernel of the packed MXFP4 product (issue 37; SPEC §10): ``x @ W.T`` reading W's packed bytes.
+
+`k3.ops.mx.dequantize` then a matmul decodes every weight to fp32 first; at decode batch sizes that costs far more
+than the product. ``mxfp4_gemv.c`` (in this package) decodes each 32-element block in registers and multiplies it
+by every row of ``x`` (AVX-512: one permute of the E2M1 table per 16 nibbles). It is compiled on first use by the
+system's C compiler (``cc -O3 -march=native -fopenmp``) into ``$XDG_CACHE_HOME/k3/kernels`` (default
+``~/.cache``), keyed by its source, the flags and this CPU's feature flags, and loaded with `ctypes`. Where there is
+no compiler, the build fails, the tensors are not on the CPU, or ``K3_MXFP4_KERNEL=0``, `available` is False and
+callers keep the plain PyTorch path (the default fallback, and the reference this kernel is tested against).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+__all__ = ["available", "gemv"]
+
+_SOURCE = Path(__file__).with_name("mxfp4_gemv.c")
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+_lock = threading.Lock()
+_library: list[ctypes.CDLL | None] = []  # empty until the first build attempt, then [the library or None]
+
+
+def _cpu_flags() -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor()
+    return next((line for line in lines if line.startswith(("flags", "Features"))), platform.processor())
+
+
+def _build() -> ctypes.CDLL | None:
+    """Compile (or find in the cache) and load the kernel; None, with one warning, when that is not possible."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        return None
+    source = _SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([source, " ".join(_FLAGS).encode(), _cpu_flags().encode(),
+                                      compiler.encode()])).hexdigest()[:16]
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "k3" / "kernels"
+    target = cache / f"mxfp4_gemv-{key}.so"
+    try:
+        if not target.is_file():
+            cache.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=cache) as tmp:
+                built = Path(tmp) / target.name
+                subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", str(built)], check=True,
+                               capture_output=True, timeout=120)
+                os.replace(built, target)  # atomic: a concurrent build writes the same bytes
+        library = ctypes.CDLL(str(target))
+    except (OSError, subprocess.SubprocessError) as err:
+        detail = getattr(err, "stderr", b"") or b""
+        warnings.warn(f"MXFP4 kernel unavailable, using the PyTorch path: {err} {detail.decode(errors='replace')}",
+                      RuntimeWarning, stacklevel=3)
+        return None
+    library.mxfp4_gemv.restype = None
+    library.mxfp4_gemv.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    return library
+
+
+def _kernel() -> ctypes.CDLL | None:
+    if not _library:
+        with _lock:
+            if not _library:
+                _library.append(None if os.environ.get("K3_MXFP4_KERNEL") == "0" else _build())
+    return _library[0]
+
+
+def available(x: Tensor) -> bool:
+    """Whether `gemv` runs for ``x``: an fp32 CPU tensor that needs no gradient, and the kernel built."""
+    return x.device.type == "cpu" and x.dtype == torch.float32 and not (torch.is_grad_enabled() and x.requires_grad) \
+        and _kernel() is not None
+
+
+def gemv(x: Tensor, packed: Tensor, scale: Tensor) -> Tensor:
+    """``x`` fp32 ``[B, K]`` (CPU) times the MXFP4 weight ``(packed [N, K/2], scale [N, K/32])`` transposed:
+    ``[B, N]`` fp32, equal to ``x @ dequantize(packed, scale).T`` up to the order of the sums."""
+    library = _kernel()
+    if library is None:
+        raise RuntimeError("the MXFP4 kernel is not available (check `available` first)")
+    (B, K), (N, half) = x.shape, packed.shape
+    if x.dtype != torch.float32 or packed.dtype != torch.uint8 or scale.dtype != torch.uint8 or half * 2 != K \
+            or K % 32 or scale.shape != (N, K // 32):
+        raise ValueError(f"MXFP4 gemv: x fp32 [B, K], packed uint8 [N, K/2], scale uint8 [N, K/32] with K a "
+                         f"multiple of 32; got {x.dtype} {list(x.shape)}, {packed.dtype} {list(packed.shape)}, "
+                         f"{scale.dtype} {list(scale.shape)}")
+    even, odd = x[:, 0::2].contiguous(), x[:, 1::2].contiguous()
+    packed, scale = packed.contiguous(), scale.contiguous()
+    y = torch.empty(B, N, dtype=torch.float32, device=x.device)
+    library.mxfp4_gemv(even.data_ptr(), odd.data_ptr(), packed.data_ptr(), scale.data_ptr(), y.data_ptr(), B, N, K,
+                       torch.get_num_threads())
+    return y
