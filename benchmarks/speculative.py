@@ -117,6 +117,8 @@ def main() -> None:
     target, tokenizer = load_model(Path(args.target))
     plain_options = EngineOptions(max_batch=8, prefix_cache=False)  # k3 serve --max-batch 8 --no-prefix-cache
     drafters = {"ngram": "ngram", **({"eagle": args.draft} if args.draft else {})}
+    for draft in drafters.values():  # a wrong --draft fails here, not after minutes of compiling
+        replace(plain_options, draft=draft).drafter(target)
     compiled = CompiledModel(target, batches=(1, 8)) if args.compile else None
     if compiled is not None:
         for draft in drafters.values():  # decode, prefill and verification graphs, with and without features

@@ -179,7 +179,7 @@ def dequantize(packed: Tensor, scale: Tensor, dtype: torch.dtype = torch.float32
         table = _BYTE_VALUES[packed.device] = _byte_values(packed.device)
     factor = torch.ldexp(torch.ones(scale.shape, device=scale.device), scale.int() - 127)
     factor = factor.masked_fill(scale == NAN_SCALE, torch.nan)
-    values = table[packed.int()].unflatten(-2, (-1, BLOCK // 2))  # [..., n/32, 16, 2]
+    values = table.index_select(0, packed.reshape(-1).int()).view(*scale.shape, BLOCK // 2, 2)
     return (values * factor[..., None, None]).flatten(-3).to(dtype)
 
 
