@@ -28,29 +28,39 @@ def assert_close(got: torch.Tensor, x: torch.Tensor, packed: torch.Tensor, scale
     assert ((got.double() - want).abs() <= bound).all()
 
 
+@pytest.fixture(scope="module", params=["native", "portable"])
+def library(request):
+    """The kernel as built by default (AVX-512 where the CPU has it), and its portable loop."""
+    flags = mxfp4_kernel.FLAGS + (("-mno-avx512f",) if request.param == "portable" else ())
+    built = mxfp4_kernel.build(flags)
+    assert built is not None
+    return built
+
+
 @pytest.mark.parametrize("rows", [1, 3, 8, 16, 17, 40])
 @pytest.mark.parametrize("shape", [(1, 32), (7, 96), (64, 512), (130, 64)])
-def test_the_kernel_is_the_product_of_the_decoded_weights(rows, shape):
+def test_the_kernel_is_the_product_of_the_decoded_weights(library, rows, shape):
     torch.manual_seed(rows)
     n, k = shape
     packed, scale = mx.quantize(torch.randn(n, k) * torch.rand(n, 1) * 4)
     x = torch.randn(rows, k)
-    assert_close(mxfp4_kernel.gemv(x, packed, scale), x, packed, scale)
+    assert_close(mxfp4_kernel.gemv(x, packed, scale, library), x, packed, scale)
+    assert_close(mxfp4_kernel.gemv(x.t().contiguous().t(), packed, scale, library), x, packed, scale)  # strided x
 
 
-def test_every_byte_and_the_extreme_scales():
+def test_every_byte_and_the_extreme_scales(library):
     """All 256 bytes under scale bytes 0 (2^-127, subnormal), 1, 127, 200 and 255 (NaN, the whole block)."""
     packed = torch.arange(256, dtype=torch.uint8).repeat(5, 1)  # 16 blocks per row
     scale = torch.tensor([0, 1, 127, 200, 127], dtype=torch.uint8)[:, None].repeat(1, 16)
     scale[4, 3] = 255
     x = torch.randn(2, 512)
-    got = mxfp4_kernel.gemv(x, packed, scale)
+    got = mxfp4_kernel.gemv(x, packed, scale, library)
     assert got[:, 4].isnan().all() and got[:, :4].isfinite().all()
     assert_close(got[:, :4], x, packed[:4], scale[:4])
     nibbles = torch.zeros(1, 16, dtype=torch.uint8)
     nibbles[0, 0] = 0x71  # element 0: code 1 (0.5), element 1: code 7 (6.0)
     picks = torch.eye(32)[:2]
-    got = mxfp4_kernel.gemv(picks, nibbles, torch.tensor([[128]], dtype=torch.uint8))  # scale 2
+    got = mxfp4_kernel.gemv(picks, nibbles, torch.tensor([[128]], dtype=torch.uint8), library)  # scale 2
     assert got.flatten().tolist() == [1.0, 12.0]
 
 

@@ -2,10 +2,10 @@
  * per byte (element 2i in the low nibble), one E8M0 scale byte per 32 elements along K. Each weight byte is read
  * once per call, for every row of x: a small batch decodes each block once and multiplies it by all its rows.
  *
- * x is read as two planes, even and odd elements (xe, xo: [B, K/2], made by the caller), so a block's 16 bytes give
- * 16 lanes of low-nibble values that multiply xe and 16 of high-nibble values that multiply xo. With AVX-512 a
- * nibble becomes its value by one permute of the 16-entry E2M1 table; otherwise the compiler vectorises the scalar
- * loop. Scale byte 255 (E8M0 NaN) makes the block NaN, as k3.ops.mx.decode does. Rows of W run in parallel. */
+ * A block's 16 bytes give 16 lanes of low-nibble values, for x's even elements, and 16 of high-nibble values, for
+ * its odd ones. With AVX-512 a nibble becomes its value by one permute of the 16-entry E2M1 table and x's 32
+ * elements are split into even and odd lanes by two permutes; otherwise the compiler vectorises the scalar loop.
+ * Scale byte 255 (E8M0 NaN) makes the block NaN, as k3.ops.mx.decode does. Rows of W run in parallel. */
 #include <stdint.h>
 #include <string.h>
 #ifdef __AVX512F__
@@ -25,13 +25,15 @@ static float block_scale(uint8_t s) {
 
 #define MAX_ROWS 16
 
-/* One row n of W against up to MAX_ROWS rows of x. */
-static void row(const float *xe, const float *xo, const uint8_t *packed, const uint8_t *scale, float *y,
-                int64_t rows, int64_t n, int64_t N, int64_t K, int64_t y_stride) {
-    const int64_t blocks = K / 32, half = K / 2;
+/* One row n of W against up to MAX_ROWS rows of x ([rows, K], row stride K). */
+static void row(const float *x, const uint8_t *packed, const uint8_t *scale, float *y, int64_t rows, int64_t n,
+                int64_t K, int64_t y_stride) {
+    const int64_t blocks = K / 32;
 #ifdef __AVX512F__
     const __m512 table = _mm512_loadu_ps(E2M1);
     const __m512i low = _mm512_set1_epi32(0x0F);
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
     __m512 acc[MAX_ROWS];
     for (int64_t b = 0; b < rows; ++b) acc[b] = _mm512_setzero_ps();
     for (int64_t j = 0; j < blocks; ++j) {
@@ -40,8 +42,10 @@ static void row(const float *xe, const float *xo, const uint8_t *packed, const u
         __m512 lo = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(bytes, low), table), s);
         __m512 hi = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table), s);
         for (int64_t b = 0; b < rows; ++b) {
-            acc[b] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xe + b * half + j * 16), acc[b]);
-            acc[b] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xo + b * half + j * 16), acc[b]);
+            const float *xb = x + b * K + j * 32;
+            __m512 first = _mm512_loadu_ps(xb), second = _mm512_loadu_ps(xb + 16);
+            acc[b] = _mm512_fmadd_ps(lo, _mm512_permutex2var_ps(first, even, second), acc[b]);
+            acc[b] = _mm512_fmadd_ps(hi, _mm512_permutex2var_ps(first, odd, second), acc[b]);
         }
     }
     for (int64_t b = 0; b < rows; ++b) y[b * y_stride + n] = _mm512_reduce_add_ps(acc[b]);
@@ -56,7 +60,7 @@ static void row(const float *xe, const float *xo, const uint8_t *packed, const u
         }
         for (int64_t b = 0; b < rows; ++b)
             for (int i = 0; i < 16; ++i)
-                acc[b][i] += lo[i] * xe[b * half + j * 16 + i] + hi[i] * xo[b * half + j * 16 + i];
+                acc[b][i] += lo[i] * x[b * K + j * 32 + 2 * i] + hi[i] * x[b * K + j * 32 + 2 * i + 1];
     }
     for (int64_t b = 0; b < rows; ++b) {
         float total = 0.0f;
@@ -64,18 +68,17 @@ static void row(const float *xe, const float *xo, const uint8_t *packed, const u
         y[b * y_stride + n] = total;
     }
 #endif
-    (void)N;
 }
 
-/* xe, xo [B, K/2] (contiguous), packed [N, K/2], scale [N, K/32] (contiguous), y [B, N] (contiguous); K a multiple
- * of 32. Rows of x are taken MAX_ROWS at a time. */
-void mxfp4_gemv(const float *xe, const float *xo, const uint8_t *packed, const uint8_t *scale, float *y,
-                int64_t B, int64_t N, int64_t K, int threads) {
+/* x [B, K], packed [N, K/2], scale [N, K/32], y [B, N], all contiguous; K a multiple of 32. Rows of x are taken
+ * MAX_ROWS at a time. */
+void mxfp4_gemv(const float *x, const uint8_t *packed, const uint8_t *scale, float *y, int64_t B, int64_t N,
+                int64_t K, int threads) {
     const int64_t half = K / 2, blocks = K / 32;
     for (int64_t b0 = 0; b0 < B; b0 += MAX_ROWS) {
         const int64_t rows = B - b0 < MAX_ROWS ? B - b0 : MAX_ROWS;
-#pragma omp parallel for num_threads(threads) schedule(static)
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && N * K >= (1 << 16))
         for (int64_t n = 0; n < N; ++n)
-            row(xe + b0 * half, xo + b0 * half, packed + n * half, scale + n * blocks, y + b0 * N, rows, n, N, K, N);
+            row(x + b0 * K, packed + n * half, scale + n * blocks, y + b0 * N, rows, n, K, N);
     }
 }

@@ -25,10 +25,10 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-__all__ = ["available", "gemv"]
+__all__ = ["FLAGS", "available", "build", "gemv"]
 
 _SOURCE = Path(__file__).with_name("mxfp4_gemv.c")
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 _lock = threading.Lock()
 _library: list[ctypes.CDLL | None] = []  # empty until the first build attempt, then [the library or None]
 
@@ -41,13 +41,14 @@ def _cpu_flags() -> str:
     return next((line for line in lines if line.startswith(("flags", "Features"))), platform.processor())
 
 
-def _build() -> ctypes.CDLL | None:
-    """Compile (or find in the cache) and load the kernel; None, with one warning, when that is not possible."""
+def build(flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL | None:
+    """Compile with ``flags`` (or find in the cache) and load the kernel; None, with a warning, when that is not
+    possible. (Other flags than the default ones give the portable loop: ``-mno-avx512f``.)"""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         return None
     source = _SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, " ".join(_FLAGS).encode(), _cpu_flags().encode(),
+    key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), _cpu_flags().encode(),
                                       compiler.encode()])).hexdigest()[:16]
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "k3" / "kernels"
     target = cache / f"mxfp4_gemv-{key}.so"
@@ -56,7 +57,7 @@ def _build() -> ctypes.CDLL | None:
             cache.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=cache) as tmp:
                 built = Path(tmp) / target.name
-                subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", str(built)], check=True,
+                subprocess.run([compiler, *flags, str(_SOURCE), "-o", str(built)], check=True,
                                capture_output=True, timeout=120)
                 os.replace(built, target)  # atomic: a concurrent build writes the same bytes
         library = ctypes.CDLL(str(target))
@@ -66,7 +67,7 @@ def _build() -> ctypes.CDLL | None:
                       RuntimeWarning, stacklevel=3)
         return None
     library.mxfp4_gemv.restype = None
-    library.mxfp4_gemv.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    library.mxfp4_gemv.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     return library
 
 
@@ -74,7 +75,7 @@ def _kernel() -> ctypes.CDLL | None:
     if not _library:
         with _lock:
             if not _library:
-                _library.append(None if os.environ.get("K3_MXFP4_KERNEL") == "0" else _build())
+                _library.append(None if os.environ.get("K3_MXFP4_KERNEL") == "0" else build())
     return _library[0]
 
 
@@ -84,10 +85,11 @@ def available(x: Tensor) -> bool:
         and _kernel() is not None
 
 
-def gemv(x: Tensor, packed: Tensor, scale: Tensor) -> Tensor:
+def gemv(x: Tensor, packed: Tensor, scale: Tensor, library: ctypes.CDLL | None = None) -> Tensor:
     """``x`` fp32 ``[B, K]`` (CPU) times the MXFP4 weight ``(packed [N, K/2], scale [N, K/32])`` transposed:
-    ``[B, N]`` fp32, equal to ``x @ dequantize(packed, scale).T`` up to the order of the sums."""
-    library = _kernel()
+    ``[B, N]`` fp32, equal to ``x @ dequantize(packed, scale).T`` up to the order of the sums (``library``: one
+    `build` made, else the default one)."""
+    library = library or _kernel()
     if library is None:
         raise RuntimeError("the MXFP4 kernel is not available (check `available` first)")
     (B, K), (N, half) = x.shape, packed.shape
@@ -96,9 +98,8 @@ def gemv(x: Tensor, packed: Tensor, scale: Tensor) -> Tensor:
         raise ValueError(f"MXFP4 gemv: x fp32 [B, K], packed uint8 [N, K/2], scale uint8 [N, K/32] with K a "
                          f"multiple of 32; got {x.dtype} {list(x.shape)}, {packed.dtype} {list(packed.shape)}, "
                          f"{scale.dtype} {list(scale.shape)}")
-    even, odd = x[:, 0::2].contiguous(), x[:, 1::2].contiguous()
-    packed, scale = packed.contiguous(), scale.contiguous()
+    x, packed, scale = x.contiguous(), packed.contiguous(), scale.contiguous()
     y = torch.empty(B, N, dtype=torch.float32, device=x.device)
-    library.mxfp4_gemv(even.data_ptr(), odd.data_ptr(), packed.data_ptr(), scale.data_ptr(), y.data_ptr(), B, N, K,
+    library.mxfp4_gemv(x.data_ptr(), packed.data_ptr(), scale.data_ptr(), y.data_ptr(), B, N, K,
                        torch.get_num_threads())
     return y
