@@ -1,17 +1,19 @@
 """MX microscaling (SPEC §7, §10): what MXFP4-packed routed experts save, what they cost at decode, and what
 quantization-aware training (QAT) buys over post-training quantization (PTQ) at equal tokens.
 
-1. Bytes and memory, ``small`` preset (parameter and routed-expert counts are in the JSON; randomly initialised,
-   seed 0 — bytes, memory and speed do not depend on the values): bytes per routed-expert parameter and per
-   model parameter (state_dict bytes ÷ the full-precision parameter count) as fp32, bf16 (computed) and MXFP4
-   packed; ``model.safetensors`` of the full-precision checkpoint and of its ``k3 quantize`` output; resident
-   memory after `k3.model.checkpoint.load_model` of each, each in a fresh process.
-2. Greedy decode tokens/s at batch 1 on that model (a 32-token prefill, then ``--decode-tokens`` single-token
-   calls with a `DecoderState`): full precision; the fake-quantized float model (MX on, float experts); the
-   packed checkpoint — MXFP4 weights with high-precision inputs, then with MXFP8 E4M3 inputs. A packed expert
-   decodes its MXFP4 weights (`k3.ops.mx.dequantize` of w1, w3, w2) every time a token is routed to it and a
-   fake-quantized one re-quantizes its float weights every call, so at batch 1 each token pays that
-   (MoE layers × top-k) times; "expert weights ms/token" measures that per-token cost on its own.
+1. Bytes and memory, ``small`` and a MoE-heavy variant (64 routed experts of 512: 93 % of the parameters, like
+   the release's 97.9 %; parameter and routed-expert counts are in the JSON; randomly initialised, seed 0 —
+   bytes, memory and speed do not depend on the values): bytes per routed-expert parameter and per model
+   parameter (state_dict bytes ÷ the full-precision parameter count) as fp32, bf16 (computed) and MXFP4 packed;
+   ``model.safetensors`` of the full-precision checkpoint and of its ``k3 quantize`` output; resident memory after
+   `k3.model.checkpoint.load_model` of each, each in a fresh process.
+2. Greedy decode tokens/s at batch 1 on each (a 32-token prefill, then ``--decode-tokens`` single-token calls
+   with a `DecoderState`), side by side: fp32, bf16, the fake-quantized float model (MX on, float experts), and
+   the packed checkpoint — through the packed-byte kernel (`k3.ops.mxfp4_kernel`: each chosen expert's bytes
+   read once, never decoded to floats) and through decoded weights (`k3.ops.mx.dequantize`, then a matmul: the
+   PyTorch path), then with MXFP8 E4M3 inputs. "expert products ms/token" times one chosen expert's product
+   (w1, w3, w2) on one token, times MoE layers × top-k; the roofline is the bytes those products read per token
+   over the machine's copy bandwidth (a 256 MiB copy).
 3. Quality, ``mini`` preset (8 experts, top-2), ``--steps`` × 2,048 tokens at length 256, 2
    seeds, one tokenizer: full-precision training (FP), evaluated as trained and after PTQ (its experts packed
    round-to-nearest, MXFP4 weights + MXFP8 E4M3 inputs), and QAT from scratch (``qat="mx"``: the same
@@ -36,6 +38,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -44,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import machine, median_seconds, peak_rss_mib, reset_peak_rss, rss_mib, run_isolated, table, write_results  # noqa: E402,E501
 
 from k3 import K3ForCausalLM  # noqa: E402
-from k3.config import preset  # noqa: E402
+from k3.config import K3Config, preset  # noqa: E402
 from k3.model.checkpoint import WEIGHTS, load_model, save_model  # noqa: E402
 from k3.model.packed import PackedExperts  # noqa: E402
 from k3.model.quantize import pack_model, quantize_checkpoint  # noqa: E402
@@ -111,9 +114,24 @@ def set_mx(model: K3ForCausalLM, weights: str | None, inputs: str | None) -> K3F
     return model
 
 
+def bandwidth_gb_s() -> float:
+    """Memory bandwidth of a 256 MiB copy (bytes read + written per second), the roofline's denominator."""
+    src = torch.ones(64 * MIB)
+    dst = torch.empty_like(src)
+    seconds, _ = median_seconds(lambda: dst.copy_(src), min_repeats=5, budget_s=1.0)
+    return 2 * src.numel() * src.element_size() / seconds / 1e9
+
+
+def expert_bytes(experts: Experts, dtype: torch.dtype) -> int:
+    """The bytes one expert's product reads: its packed buffers, or its float weights at ``dtype``'s width."""
+    if isinstance(experts, PackedExperts):
+        return sum(b.numel() * b.element_size() for b in experts.packed[0].buffers())
+    return (experts.gate_up[0].numel() + experts.down[0].numel()) * torch.finfo(dtype).bits // 8
+
+
 @torch.no_grad()
-def decode(model: K3ForCausalLM, tokens: int) -> tuple[float, list[int], torch.Tensor, float]:
-    """(tokens/s, greedy tokens, prefill logits, ms per token fetching expert weights) at batch 1."""
+def decode(model: K3ForCausalLM, tokens: int, dtype: torch.dtype) -> tuple[float, list[int], torch.Tensor, float]:
+    """(tokens/s, greedy tokens, prefill logits, ms per token in the routed experts' products) at batch 1."""
     prompt = torch.arange(1, PROMPT + 1)[None] * 37 % model.config.vocab_size
     logits, prefilled = model(prompt, state=model.new_state(1))
     first = logits[:, -1:].argmax(-1)
@@ -128,34 +146,44 @@ def decode(model: K3ForCausalLM, tokens: int) -> tuple[float, list[int], torch.T
 
     seconds, _ = median_seconds(run, min_repeats=3, budget_s=8.0)
     experts = experts_of(model)
-    fetch, _ = median_seconds(lambda: experts[0].expert_weights(0, torch.float32), min_repeats=20, budget_s=0.5)
-    per_token = fetch * len(experts) * model.config.moe.num_experts_per_token
-    return tokens / seconds, run(), logits, 1e3 * per_token
+    x = torch.randn(1, experts[0].width, dtype=dtype)
+    product, _ = median_seconds(lambda: experts[0].expert(0, x), min_repeats=20, budget_s=0.5)
+    per_token = product * len(experts) * model.config.moe.num_experts_per_token
+    return tokens / seconds, run(), logits.float(), 1e3 * per_token
 
 
-def decode_rows(fp_dir: Path, packed_dir: Path, tokens: int) -> list[dict]:
-    cases = (("full precision (float experts)", fp_dir, None, None),
-             ("fake-quant: float experts, MX on (MXFP4 w)", fp_dir, "mxfp4", None),
-             ("packed MXFP4 w", packed_dir, "mxfp4", None),
-             ("fake-quant: float experts, MX on (MXFP4 w, MXFP8 in)", fp_dir, "mxfp4", E4M3),
-             ("packed MXFP4 w, MXFP8 in", packed_dir, "mxfp4", E4M3))
+def decode_rows(fp_dir: Path, packed_dir: Path, tokens: int, bandwidth: float) -> list[dict]:
+    """Side by side: fp32, bf16, the fake-quantized float model, and the packed checkpoint through the packed-byte
+    kernel (`k3.ops.mxfp4_kernel`) and through decoded weights (the PyTorch path), without and with MXFP8 inputs."""
+    cases = (("fp32 (float experts)", fp_dir, None, None, torch.float32, True),
+             ("bf16 (float experts)", fp_dir, None, None, torch.bfloat16, True),
+             ("fake-quant: float experts, MX on (MXFP4 w)", fp_dir, "mxfp4", None, torch.float32, True),
+             ("packed MXFP4 w, packed-byte kernel", packed_dir, "mxfp4", None, torch.float32, True),
+             ("packed MXFP4 w, decoded weights", packed_dir, "mxfp4", None, torch.float32, False),
+             ("fake-quant: float experts, MX on (MXFP4 w, MXFP8 in)", fp_dir, "mxfp4", E4M3, torch.float32, True),
+             ("packed MXFP4 w, MXFP8 in, packed-byte kernel", packed_dir, "mxfp4", E4M3, torch.float32, True))
     rows, reference = [], {}
-    for name, ckpt, weights, inputs in cases:
-        model = set_mx(load_model(ckpt)[0], weights, inputs)
-        tok_s, out, logits, fetch_ms = decode(model, tokens)
+    for name, ckpt, weights, inputs, dtype, kernel in cases:
+        model = set_mx(load_model(ckpt)[0], weights, inputs).to(dtype)
+        PackedExperts.KERNEL_ROWS = 64 if kernel else 0
+        tok_s, out, logits, product_ms = decode(model, tokens, dtype)
+        PackedExperts.KERNEL_ROWS = 64
+        layers, k = len(experts_of(model)), model.config.moe.num_experts_per_token
+        roofline_ms = 1e3 * expert_bytes(experts_of(model)[0], dtype) * layers * k / (bandwidth * 1e9)
         row = {"model": name, "tokens": tokens, "tokens_per_s": tok_s, "ms_per_token": 1e3 / tok_s,
-               "fetch_ms_per_token": fetch_ms, "fetch_share": fetch_ms * tok_s / 1e3}
+               "expert_ms_per_token": product_ms, "expert_share": product_ms * tok_s / 1e3,
+               "roofline_ms_per_token": roofline_ms, "roofline_share": roofline_ms / product_ms}
         key = (weights, inputs)
-        if key in reference:  # the packed model must compute what its fake-quantized float model computes
+        if dtype == torch.float32 and key in reference:  # the packed model computes what its fake-quantized one does
             row["max_logit_diff_vs_fake_quant"] = float((logits - reference[key][0]).abs().max())
             row["same_tokens_as_fake_quant"] = out == reference[key][1]
-        else:
+        elif dtype == torch.float32:
             reference[key] = logits, out
         rows.append(row)
         print(json.dumps(row), flush=True)
-    base = rows[0]["tokens_per_s"]
+    fp32, bf16 = rows[0]["tokens_per_s"], rows[1]["tokens_per_s"]
     for row in rows:
-        row["vs_full_precision"] = row["tokens_per_s"] / base
+        row["vs_fp32"], row["vs_bf16"] = row["tokens_per_s"] / fp32, row["tokens_per_s"] / bf16
     return rows
 
 
@@ -217,10 +245,21 @@ def fixed(rows: list[dict]) -> list[dict]:
              else v for k, v in r.items()} for r in rows]
 
 
-def small_checkpoints(work: Path, tokenizer: Path) -> tuple[Path, Path]:
+MOE_HEAVY = "small, 64 experts of 512"  # routed experts 93 % of the parameters (the release: 97.9 %)
+
+
+def config_of(name: str) -> K3Config:
+    """``small``, or `MOE_HEAVY`: small with 64 routed experts of hidden width 512."""
+    config = preset("small")
+    return config if name == "small" else replace(config, moe=replace(config.moe, num_experts=64, expert_hidden=512))
+
+
+def checkpoints(work: Path, tokenizer: Path, name: str) -> tuple[Path, Path]:
+    """A randomly initialised (seed 0) float checkpoint of ``name`` and its `k3 quantize` output."""
     torch.manual_seed(0)
-    fp_dir = save_model(work / "small-fp", K3ForCausalLM(preset("small")).eval(), Tokenizer.load(tokenizer))
-    packed_dir = work / "small-mxfp4"
+    slug = name.split(",")[0] + ("-moe" if name == MOE_HEAVY else "")
+    fp_dir = save_model(work / f"{slug}-fp", K3ForCausalLM(config_of(name)).eval(), Tokenizer.load(tokenizer))
+    packed_dir = work / f"{slug}-mxfp4"
     quantize_checkpoint(fp_dir, packed_dir)  # `k3 quantize --ckpt small-fp --out small-mxfp4`
     return fp_dir, packed_dir
 
@@ -242,27 +281,32 @@ def main() -> None:
     try:
         runs, tokenizer = quality_runs(work, args)
         torch.set_num_threads(args.threads)
-        fp_dir, packed_dir = small_checkpoints(work, tokenizer)
-        memory = memory_rows(fp_dir, packed_dir)
-        speed = decode_rows(fp_dir, packed_dir, args.decode_tokens)
+        bandwidth = bandwidth_gb_s()
+        memory, speed = [], {}
+        for name in ("small", MOE_HEAVY):
+            fp_dir, packed_dir = checkpoints(work, tokenizer, name)
+            memory += [{"preset": name, **row} for row in memory_rows(fp_dir, packed_dir)]
+            speed[name] = decode_rows(fp_dir, packed_dir, args.decode_tokens, bandwidth)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     quality = quality_summary(runs)
 
-    print("\n1. Bytes and resident memory, `small` preset")
-    print(table(memory, [("format", "format"), ("expert_bytes_per_param", "bytes / expert param"),
+    print("\n1. Bytes and resident memory")
+    print(table(memory, [("preset", "preset"), ("format", "format"), ("expert_bytes_per_param", "bytes / expert param"),
                          ("bytes_per_param", "bytes / model param"), ("state_mib", "state_dict MiB"),
                          ("file_mib", "model.safetensors MiB"), ("rss_mib", "RSS after load MiB"),
                          ("model_rss_mib", "load adds MiB"), ("trimmed_model_rss_mib", "… after malloc_trim MiB"),
                          ("peak_mib", "peak RSS MiB"),
                          ("load_s", "load s"), ("error", "note")]))
-    print(f"\n2. Greedy decode at batch 1, `small` preset, {PROMPT}-token prompt, {args.decode_tokens} tokens, "
-          f"{args.threads} torch thread(s)")
-    print(table(speed, [("model", "model"), ("tokens_per_s", "tokens/s"), ("vs_full_precision", "× full precision"),
-                        ("ms_per_token", "ms/token"), ("fetch_ms_per_token", "expert weights ms/token"),
-                        ("fetch_share", "share of token time"),
-                        ("max_logit_diff_vs_fake_quant", "max |logit diff| vs fake-quant"),
-                        ("same_tokens_as_fake_quant", "same tokens as fake-quant")]))
+    for name, rows in speed.items():
+        print(f"\n2. Greedy decode at batch 1, `{name}`, {PROMPT}-token prompt, {args.decode_tokens} tokens, "
+              f"{args.threads} torch thread(s); roofline: the experts' bytes per token at {bandwidth:.1f} GB/s")
+        print(table(rows, [("model", "model"), ("tokens_per_s", "tokens/s"), ("vs_fp32", "× fp32"),
+                           ("vs_bf16", "× bf16"), ("ms_per_token", "ms/token"),
+                           ("expert_ms_per_token", "expert products ms/token"), ("expert_share", "share of token"),
+                           ("roofline_ms_per_token", "roofline ms/token"), ("roofline_share", "roofline / products"),
+                           ("max_logit_diff_vs_fake_quant", "max |logit diff| vs fake-quant"),
+                           ("same_tokens_as_fake_quant", "same tokens as fake-quant")]))
     seeds = [f"seed {s}" for s in args.seeds]
     print(f"\n3. Validation loss at equal tokens, `mini` preset, {args.steps} steps × 2,048 tokens, seeds {args.seeds} "
           "(delta: minus FP's full-precision loss at the same seed)")
@@ -272,7 +316,8 @@ def main() -> None:
     print(table(fixed(runs), [("method", "run"), ("seed", "seed"), ("seconds", "train s"),
                        ("packed_minus_fake_quant", "QAT: packed − fake-quant loss")]))
     path = write_results("mx", {"machine": machine(), "args": {k: v for k, v in vars(args).items() if k != "load"},
-                                "wall_s": time.time() - start, "memory": memory, "decode": speed, "runs": runs,
+                                "wall_s": time.time() - start, "bandwidth_gb_s": bandwidth, "memory": memory,
+                                "decode": speed, "runs": runs,
                                 "quality": quality})
     print(f"wrote {path}")
 
