@@ -279,3 +279,18 @@ def test_release_packed_tensors_must_be_uint8(tmp_path):
     with pytest.raises(ValueError, match="expected uint8") as err:
         K3ForCausalLM.from_pretrained(directory)
     assert name in str(err.value)
+
+
+def test_a_packed_checkpoint_never_materialises_float_experts(runs, tmp_path, capsys, monkeypatch):
+    """The model is built on the meta device and the file's tensors assigned: the float experts a `K3ForCausalLM`
+    builds before its experts are replaced by packed ones never get memory (issue 37: peak memory at load)."""
+    out = tmp_path / "packed"
+    assert main(["quantize", "--ckpt", str(runs["qat"]), "--out", str(out)]) == 0
+    devices, initialise = [], Experts.reset_parameters
+    monkeypatch.setattr(Experts, "reset_parameters", lambda self: devices.append(self.gate_up.device) or initialise(self))
+    packed, _ = load_model(out)
+    assert devices and {d.type for d in devices} == {"meta"}
+    assert {t.device.type for t in packed.state_dict().values()} == {"cpu"} and not packed.training
+    fake, _ = load_model(runs["qat"])
+    ids = torch.randint(0, fake.config.vocab_size, (1, 20))
+    assert torch.equal(_logits(packed, ids), _logits(fake, ids))

@@ -41,7 +41,7 @@ from k3.config.hf import mx_from_quantization, quantization_config
 from k3.files import (CONFIG_LIMIT, DATA_LIMIT, POINTER_LIMIT, atomic_write, open_regular, read_bytes, read_json,
                       read_text, write_text)
 from k3.model.lm import K3ForCausalLM
-from k3.model.packed import PackedExperts, use_packed_experts
+from k3.model.packed import PackedExperts, skeleton
 from k3.ops import mx
 from k3.sizing.memory import check_stored
 from k3.tokenization.bpe import Tokenizer
@@ -301,10 +301,8 @@ def load_model(path: Path, verify: bool = True) -> tuple[K3ForCausalLM, Tokenize
     config, packed = _read_config(ckpt, verify)
     tokenizer = read_tokenizer(ckpt, verify)
     _check_size(ckpt, config)  # before anything is allocated
-    model = K3ForCausalLM(config)
-    if packed:
-        use_packed_experts(model)
-    load_weights(ckpt, model, verify)
+    model = skeleton(K3ForCausalLM, config, packed) if packed else K3ForCausalLM(config)
+    load_weights(ckpt, model, verify, assign=packed)
     return model.eval(), tokenizer
 
 
@@ -350,9 +348,10 @@ def _check_size(ckpt: Path, config: K3Config) -> None:
     check_stored(config, size, str(ckpt / "config.json"), str(ckpt / WEIGHTS), whole=True)
 
 
-def load_weights(ckpt: Path, model: torch.nn.Module, verify: bool = True) -> None:
+def load_weights(ckpt: Path, model: torch.nn.Module, verify: bool = True, assign: bool = False) -> None:
     """Load ``model.safetensors`` strictly; a corrupt, missing, mismatched or non-finite tensor names the
-    file and the tensor."""
+    file and the tensor. ``assign``: the file's tensors (in the model's dtypes) become the model's, as for a
+    `k3.model.packed.skeleton` on the meta device."""
     _check_size(ckpt, model.config)  # before the file is hashed
     path = verified(ckpt, WEIGHTS, verify)
     try:
@@ -378,4 +377,6 @@ def load_weights(ckpt: Path, model: torch.nn.Module, verify: bool = True) -> Non
     bad = non_finite(tensors)
     if bad is not None:
         raise ValueError(f"{path}: tensor {bad!r} has non-finite values (NaN or infinity)")
-    model.load_state_dict(tensors, strict=True)
+    if assign:
+        tensors = {name: tensors[name].to(t.dtype) for name, t in expected.items()}
+    model.load_state_dict(tensors, strict=True, assign=assign)

@@ -124,3 +124,12 @@ def replace_experts(model: nn.Module, convert: Callable[[Experts], Experts]) -> 
 def use_packed_experts(model: nn.Module) -> nn.Module:
     """Replace every float `Experts` of ``model`` by empty `PackedExperts` of the same shape (to be loaded)."""
     return replace_experts(model, lambda e: e if isinstance(e, PackedExperts) else PackedExperts.like(e))
+
+
+def skeleton(cls: Callable[..., nn.Module], config: object, packed: bool) -> nn.Module:
+    """``cls(config)`` on the meta device (nothing allocated), with empty `PackedExperts` if ``packed``: load its
+    tensors with ``load_state_dict(..., assign=True)``, and float experts are never materialised."""
+    with torch.device("meta"):
+        model = cls(config)
+        return use_packed_experts(model) if packed else model
+

@@ -43,7 +43,7 @@ from torch import Tensor
 from k3.config import K3Config
 from k3.config.hf import from_release_dict, is_release, to_release_dict
 from k3.files import CONFIG_LIMIT, read_json, write_text
-from k3.model.packed import PROJECTIONS, PackedExperts, use_packed_experts
+from k3.model.packed import PROJECTIONS, PackedExperts, skeleton
 from k3.model.safetensors_io import Shards, write_shards
 from k3.model.width import Experts, LatentMoE
 from k3.sizing.memory import check_stored
@@ -146,13 +146,6 @@ def _ffn_rules(ffn: torch.nn.Module, ours: str, theirs: str) -> list[Rule]:
         Rule(ours + "experts.down", names("w2"), torch.stack, lambda t: list(t.unbind()))]
 
 
-def _skeleton(cls: type, config: K3Config, packed: bool) -> Any:
-    """``cls(config)`` on the meta device (nothing allocated), with `PackedExperts` if ``packed``."""
-    with torch.device("meta"):
-        model = cls(config)
-        return use_packed_experts(model) if packed else model
-
-
 def is_release_dir(directory: str | os.PathLike) -> bool:
     """Whether ``directory`` holds a released-layout ``config.json`` (``model_type: kimi_k3``)."""
     try:
@@ -197,7 +190,7 @@ def from_pretrained(cls: type, directory: str | os.PathLike, dtype: torch.dtype 
     check_stored(config, sum(e.end - e.start for e in shards.entries.values()), str(config_file),
                  f"the shards of {directory}")
     release_packed = any(name.endswith(".weight_packed") for name in shards)
-    model = _skeleton(cls, config, release_packed)
+    model = skeleton(cls, config, release_packed)
     expected = model.state_dict()
     state, info = {}, ReleaseInfo(hf)
     for rule in _rules(model):
@@ -247,7 +240,7 @@ def save_pretrained(model: Any, directory: str | os.PathLike, max_shard_bytes: i
             state = {k: v for k, v in state.items() if not k.startswith(prefix)}
             state.update({prefix + k: v for k, v in packed.items()})
     tensors: dict[str, Tensor] = {}
-    for rule in _rules(_skeleton(type(model), model.config, packed=True)):
+    for rule in _rules(skeleton(type(model), model.config, packed=True)):
         for name, t in zip(rule.names, rule.split(state[rule.ours].detach())):
             dtype = info.dtypes.get(name) if info else None
             tensors[name] = t.to(dtype or _release_dtype(name)).contiguous()
