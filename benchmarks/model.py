@@ -102,7 +102,7 @@ def k3_compiled_decode(model: K3ForCausalLM, batch: int, context: int, steps: in
 
     def step() -> None:
         logits, held[1] = compiled.decode(held[0], held[1])
-        held[0] = logits.argmax(-1, keepdim=True)
+        held[0] = logits[:, -1].argmax(-1, keepdim=True)
 
     step()  # compiles (or loads inductor's on-disk cache)
     step()

@@ -25,7 +25,7 @@ def _generate(args: argparse.Namespace) -> int:
     print(args.prompt, end="", flush=True)
     ids: list[int] = []
     for token in stream(model, prompt, args.max_tokens, args.temperature, args.top_p, args.top_k, args.seed,
-                        stop_ids=(tokenizer.eos_id,), step=compiled):
+                        stop_ids=(tokenizer.eos_id,), step=compiled and compiled.step):
         ids.append(token)
     print(tokenizer.decode(ids))
     if compiled is not None:

@@ -214,7 +214,9 @@ def pieces(length: int, sizes: tuple[int, ...] = PREFILL_PIECES) -> list[int]:
 
 class CompiledModel:
     """A model's decode and prefill-chunk steps, compiled over bucketed shapes (``k3 generate / serve / chat
-    --compile``, ``Engine(compile=True)``). Both return each row's last-position logits ``[B, V]`` and the state."""
+    --compile``, ``Engine(compile=True)``). Called like the model (``compiled(input_ids, state)``, `decode`,
+    `prefill`) they return what ``model(input_ids, state=state)`` gives at the last position: logits ``[B, 1, V]``
+    and the state; `step` gives the logits ``[B, V]`` of `K3ForCausalLM.forward_groups` (the engine's form)."""
 
     def __init__(self, model: K3ForCausalLM, batches: tuple[int, ...] = DECODE_BATCHES,
                  sizes: tuple[int, ...] = PREFILL_PIECES, tuned: bool = True) -> None:
@@ -241,7 +243,27 @@ class CompiledModel:
         """The decode batch size ``batch`` rows run at (a larger batch than every bucket: its own size)."""
         return next((b for b in self.batches if b >= batch), batch)
 
+    def step(self, input_ids: Tensor, state: DecoderState) -> tuple[Tensor, DecoderState]:
+        """The last-position logits ``[B, V]`` and the state: `decode_rows` for one token per row, `prefill_rows`
+        otherwise."""
+        return (self.decode_rows if input_ids.shape[1] == 1 else self.prefill_rows)(input_ids, state)
+
+    def __call__(self, input_ids: Tensor, state: DecoderState) -> tuple[Tensor, DecoderState]:
+        """`step` with the model's logits shape ``[B, 1, V]`` (its forward's last position)."""
+        logits, state = self.step(input_ids, state)
+        return logits.unsqueeze(1), state
+
     def decode(self, input_ids: Tensor, state: DecoderState) -> tuple[Tensor, DecoderState]:
+        """`decode_rows` with the model's logits shape ``[B, 1, V]``."""
+        logits, state = self.decode_rows(input_ids, state)
+        return logits.unsqueeze(1), state
+
+    def prefill(self, input_ids: Tensor, state: DecoderState) -> tuple[Tensor, DecoderState]:
+        """`prefill_rows` with the model's logits shape ``[B, 1, V]`` (the chunk's last position)."""
+        logits, state = self.prefill_rows(input_ids, state)
+        return logits.unsqueeze(1), state
+
+    def decode_rows(self, input_ids: Tensor, state: DecoderState) -> tuple[Tensor, DecoderState]:
         """One token per row, ``input_ids [B, 1]``; the batch padded to its bucket with copies of row 0. An unpadded
         state runs as one padded by zeros (the same attention: one graph per bucket, not two); a step on a cache of
         0 or 1 positions (the first tokens of a sequence) runs eagerly, so that every graph a server can reach is
@@ -285,14 +307,14 @@ class CompiledModel:
         out = after.select(slice(0, batch)) if extra else after
         return logits[:batch * tokens], replace(out, padding=None) if unpadded else out
 
-    def prefill(self, input_ids: Tensor, state: DecoderState) -> tuple[Tensor, DecoderState]:
+    def prefill_rows(self, input_ids: Tensor, state: DecoderState) -> tuple[Tensor, DecoderState]:
         """A chunk ``input_ids [B, T]`` as pieces of the bucket lengths (a 1-token piece is a decode step; a piece
         on a cache of exactly one position, after a 1-token first piece, runs eagerly like such a decode step)."""
         logits, start = None, 0
         for size in pieces(input_ids.shape[1], self.sizes):
             part = input_ids[:, start:start + size]
             if size == 1:
-                logits, state = self.decode(part, state)
+                logits, state = self.decode_rows(part, state)
             else:
                 logits, state = (self._eager if cached(state) == 1 else self.prefill_step)(part, state)
             start += size
@@ -340,6 +362,3 @@ class CompiledModel:
             state = self._eager(self._zeros(1, min(chunk, length - start)), state)[1]
         return state
 
-    def __call__(self, input_ids: Tensor, state: DecoderState) -> tuple[Tensor, DecoderState]:
-        """`decode` for one token per row, `prefill` otherwise."""
-        return self.decode(input_ids, state) if input_ids.shape[1] == 1 else self.prefill(input_ids, state)

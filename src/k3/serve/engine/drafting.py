@@ -129,10 +129,7 @@ class ModelDrafter:
     def _read(self, tokens: list[int], state: DecoderState) -> tuple[Tensor, DecoderState]:
         """The draft reads ``tokens``: the logits ``[V]`` after the last and the state."""
         ids = torch.tensor([tokens], device=next(self.model.parameters()).device)
-        if self.compiled is not None:
-            logits, state = self.compiled(ids, state)
-            return logits[0], state
-        logits, state = self.model(ids, state=state)
+        logits, state = (self.compiled or self.model)(ids, state=state)
         return logits[0, -1], state
 
     @torch.inference_mode()

@@ -166,7 +166,7 @@ class Runner:
             captured is not None else {}
         for g, group in enumerate(groups):
             if g not in results:
-                results[g] = (self.compiled.verify if replay[g] else self.compiled)(*group)
+                results[g] = (self.compiled.verify if replay[g] else self.compiled.step)(*group)
                 if captured is not None:  # the graph's rows past the group's own are its bucket's filler
                     features[g] = self._features(captured)[:sizes[g]]
         ordered = [results[g] for g in range(len(groups))]
