@@ -34,20 +34,45 @@ def test_full_acceptance_drafts_the_most_and_none_stops():
     assert lengths.length("bad") == 0
 
 
+def steps(lengths: DraftLength, request: str, n: int) -> list[int]:
+    """The draft lengths of ``request`` in the next ``n`` engine steps."""
+    out = []
+    for _ in range(n):
+        lengths.tick()
+        out.append(lengths.length(request))
+    return out
+
+
 def test_a_paused_request_probes_after_the_pause_and_the_pause_doubles():
     lengths = DraftLength(gamma=3, cost=0.25, prior=0.0, pause=4, max_pause=8)
-    lengths.update("r", 3, 0)  # nothing accepted: below the break-even point, paused for 4 steps
-    assert [lengths.length("r") for _ in range(4)] == [0, 0, 0, 1]
-    lengths.update("r", 1, 0)  # the probe lost: twice as long
-    assert [lengths.length("r") for _ in range(8)] == [0] * 7 + [1]
-    lengths.update("r", 1, 0)
-    assert [lengths.length("r") for _ in range(8)] == [0] * 7 + [1]  # capped at max_pause
+    lengths.update("r", 3, 0)  # nothing accepted: below the break-even point, paused until step 4
+    assert steps(lengths, "r", 4) == [0, 0, 0, 1]
+    lengths.update("r", 1, 0)  # the probe lost (step 4): twice as long, to the next multiple of 8
+    assert steps(lengths, "r", 4) == [0, 0, 0, 1]
+    lengths.update("r", 1, 0)  # step 8: capped at max_pause, next probe at 16
+    assert steps(lengths, "r", 8) == [0] * 7 + [1]
+
+
+def test_paused_requests_probe_in_the_same_steps():
+    """Requests that lost at different steps probe together: their pauses end at multiples of their length."""
+    lengths = DraftLength(gamma=4, cost=0.1, prior=0.0, pause=8)
+    probes: dict[str, list[int]] = {"a": [], "b": [], "c": []}
+    lost = {"a": 1, "b": 3, "c": 6}
+    for step in range(1, 40):
+        lengths.tick()
+        for request in probes:
+            if step == lost[request]:
+                lengths.update(request, 4, 0)
+            elif step > lost[request] and lengths.length(request):
+                probes[request].append(step)
+                lengths.update(request, 1, 0)
+    assert probes["a"] == probes["b"] == probes["c"] == [8, 16, 32]  # pauses of 8, 16, 32
 
 
 def test_recovering_acceptance_drafts_again():
     lengths = DraftLength(gamma=4, cost=0.1, prior=0.0, pause=2)
     lengths.update("r", 4, 0)
-    assert [lengths.length("r") for _ in range(2)] == [0, 1]
+    assert steps(lengths, "r", 2) == [0, 1]
     for _ in range(5):
         lengths.update("r", 1, 1)
     assert lengths.length("r") >= 3
@@ -145,9 +170,8 @@ def test_a_probe_that_drafts_nothing_is_followed_by_another():
     still probe again later (before, it decoded plainly for good: a code edit lost its 1.78x)."""
     lengths = DraftLength(gamma=4, cost=0.1, prior=0.0, pause=4)
     lengths.update("r", 4, 0)
-    assert [lengths.length("r") for _ in range(4)] == [0, 0, 0, 1]  # the probe: the drafter finds nothing
-    later = [lengths.length("r") for _ in range(10)]
-    assert later == [0, 0, 0, 0, 1] * 2  # the same pause again, not doubled: the probe said nothing
+    assert steps(lengths, "r", 4) == [0, 0, 0, 1]  # the probe: the drafter finds nothing
+    assert steps(lengths, "r", 8) == [0, 0, 0, 1] * 2  # paused to step 8 again (not doubled), then to 12
     lengths.update("r", 1, 1)
     lengths.update("r", 1, 1)
     assert lengths.length("r") > 0
@@ -157,4 +181,4 @@ def test_a_price_rise_without_runs_still_probes():
     """The measured price can make drafting lose before any run: the request still probes after a pause."""
     lengths = DraftLength(gamma=4, cost=0.1, pause=4)
     lengths.cost = 10.0
-    assert [lengths.length("r") for _ in range(5)] == [0, 0, 0, 0, 1]
+    assert steps(lengths, "r", 4) == [0, 0, 0, 1]

@@ -275,6 +275,8 @@ class Speculator:
         if self.drafter is None:
             return {}
         out: dict[Request, Draft] = {}
+        if self.lengths is not None:
+            self.lengths.tick()
         if self.cost is not None and requests and self.cost.plain_step():
             self.counts["plain"] += len(requests)
             self._proposed = (len(requests), 0)

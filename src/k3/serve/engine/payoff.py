@@ -6,9 +6,10 @@ first rejection), the tokens a run is expected to keep are ``E(γ) = (1 − α^{
 decode steps is ``C(γ) = 1 + c·γ``, ``c`` the drafter's stated price of a drafted position (`NGramDrafter.cost`,
 `EagleDrafter.cost`, ...). `DraftLength` estimates α per request from its own runs — the geometric estimate
 Σ accepted / Σ examined, each run's counts decayed by ``decay`` so it follows a request whose text changes — and picks
-the γ ≤ ``gamma`` maximising E/C. When no γ > 0 beats plain decoding (E/C ≤ 1) the request decodes plainly for
-``pause`` steps, then probes with one draft; the pause doubles while probes keep losing (up to ``max_pause``). A
-probe that drafted nothing (an n-gram drafter found no match) pauses again for as long, so a request is never
+the γ ≤ ``gamma`` maximising E/C. When no γ > 0 beats plain decoding (E/C ≤ 1) the request decodes plainly until
+the next multiple of ``pause`` engine steps, then probes with one draft; the pause doubles while probes keep losing
+(up to ``max_pause``). Ending pauses at multiples of their length lines the probes of a batch up in the same steps.
+A probe that drafted nothing (an n-gram drafter found no match) pauses again for as long, so a request is never
 left without probes.
 Tokens never depend on this choice (verification is lossless): only how many are drafted does.
 
@@ -35,12 +36,14 @@ def expected_tokens(alpha: float, gamma: int) -> float:
 class _Record:
     accepted: float  # decayed Σ accepted drafts
     examined: float  # decayed Σ drafts examined (accepted, plus the rejected one)
-    paused: int = 0  # plain steps left before the next probe
+    probe_at: int | None = None  # while paused: the step of the next probe
     pause: int = 0  # the length of the last pause
 
 
 class DraftLength:
-    """Per-request draft lengths (module docstring); ``prior`` is α before any run (worth ``prior_weight`` drafts)."""
+    """Per-request draft lengths (module docstring); ``prior`` is α before any run (worth ``prior_weight`` drafts).
+    `tick` counts engine steps: a pause ends at a multiple of its length, so requests paused alike probe in the
+    same step and share its one verification group (a lone probe in a batch costs that batch a whole group)."""
 
     def __init__(self, gamma: int, cost: float, prior: float = 0.6, prior_weight: float = 2.0, decay: float = 0.8,
                  pause: int = 16, max_pause: int = 256) -> None:
@@ -49,7 +52,12 @@ class DraftLength:
                              f"decay={decay}, pause={pause}, max_pause={max_pause}")
         self.gamma, self.cost, self.decay, self.min_pause, self.max_pause = gamma, cost, decay, pause, max_pause
         self.prior = (prior * prior_weight, prior_weight)
+        self.now = 0
         self._records: dict[str, _Record] = {}
+
+    def tick(self) -> None:
+        """A new engine step."""
+        self.now += 1
 
     def acceptance(self, request_id: str) -> float:
         """The request's estimated per-position acceptance α."""
@@ -66,13 +74,14 @@ class DraftLength:
     def length(self, request_id: str) -> int:
         """How many tokens the request drafts this step (0: it decodes plainly)."""
         r = self._records.setdefault(request_id, _Record(*self.prior))
-        if r.paused:
-            r.paused -= 1
-            return 0 if r.paused else min(1, self.gamma)  # the pause's last step probes with one draft
+        if r.probe_at is not None:
+            if self.now < r.probe_at:
+                return 0
+            r.probe_at = None
+            return min(1, self.gamma)  # the pause ends: probe with one draft
         best = self.best(self.acceptance(request_id))
         if best == 0:  # no run will come to update α (a probe found nothing to draft, or the price rose): wait again
-            r.pause = r.pause or self.min_pause
-            r.paused = r.pause
+            self._pause(r, r.pause or self.min_pause)
         return best
 
     def update(self, request_id: str, drafted: int, accepted: int) -> None:
@@ -81,10 +90,13 @@ class DraftLength:
         r.accepted = r.accepted * self.decay + accepted
         r.examined = r.examined * self.decay + accepted + (accepted < drafted)
         if self.best(self.acceptance(request_id)) == 0:
-            r.pause = min(self.max_pause, 2 * r.pause) if r.pause else self.min_pause
-            r.paused = r.pause
+            self._pause(r, min(self.max_pause, 2 * r.pause) if r.pause else self.min_pause)
         else:
             r.pause = 0
+
+    def _pause(self, r: _Record, length: int) -> None:
+        """Decode plainly until the next multiple of ``length`` steps, then probe."""
+        r.pause, r.probe_at = length, (self.now // length + 1) * length
 
     def end(self, request_id: str) -> None:
         self._records.pop(request_id, None)
