@@ -121,6 +121,33 @@ def test_compiled_decode_of_a_qat_model_equals_eager():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_compiled_steps_of_a_packed_model_equal_eager_and_compile_nothing_after_warm_up(mode):
+    """Packed MXFP4 experts (the release's layout) in a compiled step: their routing-dependent dispatch runs eagerly
+    between graphs, so steps whose routings differ reuse the warm graphs (before: each new routing needed a graph,
+    and "Recompilation triggered with skip_guard_eval_unsafe stance" ended the loop), under no_grad and
+    inference_mode alike (issue 37)."""
+    from k3.model.packed import PackedExperts, replace_experts
+
+    torch.manual_seed(0)
+    model = replace_experts(K3ForCausalLM(preset("tiny")).eval(), PackedExperts.pack)
+    compiled = CompiledModel(model, sizes=(4, 1), tuned=False)
+    built = []
+    for prompt in ([5, 9, 3, 7, 11, 2, 8, 4], [40, 1, 77, 30, 6, 6, 19, 23]):  # the second: other routings
+        with mode():
+            logits, state = compiled(torch.tensor([prompt]), model.new_state(1))
+            eager_logits, eager = model(torch.tensor([prompt]), state=model.new_state(1))
+            for _ in range(12):
+                assert float((logits - eager_logits[:, -1:]).abs().max()) < LOGIT_TOLERANCE
+                token = logits[:, -1].argmax(-1, keepdim=True)
+                assert token.equal(eager_logits[:, -1].argmax(-1, keepdim=True))
+                logits, state = compiled(token, state)
+                eager_logits, eager = model(token, state=eager)
+        built.append(compiled.compilations)
+    assert built[1] == built[0] > 0
+
+
+@pytest.mark.slow
 def test_k3_generate_compile_gives_the_eager_text_and_imports_no_compiler_without_it(tmp_path):
     from k3.model.checkpoint import save_model
 

@@ -63,6 +63,13 @@ class PackedExperts(Experts):
         self.weight_format, self.input_format = "mxfp4", input_format
         self.packed = nn.ModuleList(PackedExpert(width, hidden) for _ in range(n_experts))
 
+    @torch.compiler.disable
+    def forward(self, x: Tensor, weights: Tensor, indices: Tensor) -> Tensor:
+        """`Experts.forward`, run eagerly inside a compiled step (`k3.model.compiled`): which experts a step reads
+        depends on the routing, so a traced dispatch would be a graph per routing, and the packed product is the
+        kernel's, not inductor's."""
+        return super().forward(x, weights, indices)
+
     @classmethod
     def like(cls, experts: Experts) -> PackedExperts:
         """Empty packed experts of the same shape, activation and input format as ``experts``."""
