@@ -165,26 +165,38 @@ def test_a_marked_head_is_checkpointed_for_the_next_conversation(model, tok, len
 Recording = serving.recording(EagleDrafter)  # an EAGLE drafter that keeps every proposal
 
 
+def eagle_engine(model, tok, layer_kind: str) -> tuple[EagleDraft, Recording, Engine]:
+    """An untrained EAGLE draft (seed 0), its recording drafter, and a cache-on engine drafting 3 tokens with it."""
+    torch.manual_seed(0)
+    draft = EagleDraft(model, DraftConfig(layer_kind=layer_kind))
+    on = Recording(draft)
+    return draft, on, engine(model, tok, drafter=on, num_draft_tokens=3, adaptive_draft=False)
+
+
+def assert_proposed_as_without_cache(model, tok, draft: EagleDraft, prompt: list[int], tokens: list[int],
+                                     on: Recording) -> None:
+    """A cache-off engine with ``draft`` gives ``prompt`` the same 12 tokens and proposals as ``on`` recorded."""
+    off = Recording(draft)
+    [(tokens_off, _)] = run(Engine(model, tok, drafter=off, num_draft_tokens=3, adaptive_draft=False), [prompt],
+                            max_tokens=12)
+    assert tokens == tokens_off
+    assert len(on.proposals) == len(off.proposals) > 0
+    for a, b in zip(on.proposals, off.proposals, strict=True):
+        assert a.tokens == b.tokens
+        torch.testing.assert_close(a.q, b.q, atol=1e-5, rtol=0)
+
+
 def test_an_eagle_draft_resumes_with_the_target_after_a_cache_hit(model, tok):
     """The target skips the positions a hit restores; the draft restores its own state of that checkpoint, so it
     proposes exactly what it proposes without the cache (before: it had read only the positions after the hit)."""
     rng = random.Random(14)
     prompt = words(rng, 200)
-    torch.manual_seed(0)
-    draft = EagleDraft(model, DraftConfig(layer_kind="mla"))
-    on = Recording(draft)
-    with_cache = engine(model, tok, drafter=on, num_draft_tokens=3, adaptive_draft=False)
+    draft, on, with_cache = eagle_engine(model, tok, "mla")
     run(with_cache, [prompt + words(rng, 30)], max_tokens=4)  # leaves a checkpoint at 192 (prompt's last boundary)
     on.proposals.clear()
     [(tokens, cached)] = run(with_cache, [prompt + [5]], max_tokens=12)
-    off = Recording(draft)
-    plain = Engine(model, tok, drafter=off, num_draft_tokens=3, adaptive_draft=False)
-    [(tokens_off, _)] = run(plain, [prompt + [5]], max_tokens=12)
-    assert cached == 192 and tokens == tokens_off
-    assert len(on.proposals) == len(off.proposals) > 0
-    for a, b in zip(on.proposals, off.proposals, strict=True):
-        assert a.tokens == b.tokens
-        torch.testing.assert_close(a.q, b.q, atol=1e-5, rtol=0)
+    assert cached == 192
+    assert_proposed_as_without_cache(model, tok, draft, prompt + [5], tokens, on)
 
 
 def test_an_eagle_draft_resumes_after_the_previous_answer(model, tok):
@@ -192,19 +204,10 @@ def test_an_eagle_draft_resumes_after_the_previous_answer(model, tok):
     turn's draft proposes exactly what it proposes without the cache (before: it had read only the new message)."""
     rng = random.Random(15)
     prompt = words(rng, 100)
-    torch.manual_seed(0)
-    draft = EagleDraft(model, DraftConfig(layer_kind="kda"))
-    on = Recording(draft)
-    with_cache = engine(model, tok, drafter=on, num_draft_tokens=3, adaptive_draft=False)
+    draft, on, with_cache = eagle_engine(model, tok, "kda")
     [(answer, _)] = run(with_cache, [prompt], max_tokens=9)
     on.proposals.clear()
     turn = prompt + answer + words(rng, 5)
     [(tokens, cached)] = run(with_cache, [turn], max_tokens=12)
-    off = Recording(draft)
-    [(tokens_off, _)] = run(Engine(model, tok, drafter=off, num_draft_tokens=3, adaptive_draft=False), [turn],
-                            max_tokens=12)
-    assert cached == len(prompt) + len(answer) - 1 and tokens == tokens_off
-    assert len(on.proposals) == len(off.proposals) > 0
-    for a, b in zip(on.proposals, off.proposals, strict=True):
-        assert a.tokens == b.tokens
-        torch.testing.assert_close(a.q, b.q, atol=1e-5, rtol=0)
+    assert cached == len(prompt) + len(answer) - 1
+    assert_proposed_as_without_cache(model, tok, draft, turn, tokens, on)

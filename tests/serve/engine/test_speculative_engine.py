@@ -254,3 +254,22 @@ def test_lazy_draft_reads_are_bounded():
     for t in range(100):
         drafter.observe("r", [t], torch.randn(1, 3, draft.in_proj.weight.shape[0]))
     assert reads == [15] + [16] * 5
+
+
+def test_the_draft_states_kept_beside_checkpoints_are_bounded_in_bytes():
+    """An MLA draft's state grows with the context: beyond ``max_saved_bytes`` the least recently saved go. Bytes
+    are counted independently: (kv_lora_rank + qk_shared_head_dim) fp32 scalars per position, plus the feature."""
+    target = serving.model()
+    draft = EagleDraft(target, DraftConfig(layer_kind="mla"))
+    mla, d = target.config.mla, draft.in_proj.weight.shape[0]
+    per_position = 4 * (mla.kv_lora_rank + mla.qk_shared_head_dim)
+    state_bytes = lambda positions: per_position * positions + 4 * d  # noqa: E731
+    drafter = EagleDrafter(draft, read_every=1, max_saved_bytes=state_bytes(90) + state_bytes(70))
+    proposals = []
+    for i in range(5):  # states of 19, 39, 59, 79, 99 positions (the first token has no feature before it)
+        drafter.observe("r", list(range(20)), torch.randn(20, 3, d))
+        drafter.save("r", bytes([i]))
+        proposals.append(drafter.propose("r", [], 7, SamplingParams(temperature=0), [], [], None, 2).tokens)
+    assert drafter.saved_bytes == state_bytes(99)  # 79 and 99 positions would pass the budget
+    drafter.restore("again", bytes([4]))
+    assert drafter.propose("again", [], 7, SamplingParams(temperature=0), [], [], None, 2).tokens == proposals[4]

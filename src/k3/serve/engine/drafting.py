@@ -19,7 +19,7 @@ drafts in a step, and what the drafter is told of the target's features and of e
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Protocol
 
 import torch
@@ -161,6 +161,12 @@ class _Sequence:
     def waiting(self) -> int:
         return sum(len(tokens) for tokens, _ in self.unread)
 
+    def nbytes(self) -> int:
+        """The bytes of its tensors: the draft state's, the feature and the waiting features."""
+        state = [getattr(self.state, f.name) for f in fields(self.state)]
+        tensors = [t for t in (*state, self.feature, *(f for _, f in self.unread)) if isinstance(t, Tensor)]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
 
 class EagleDrafter:
     """Drafts with an EAGLE-3 draft (`k3.model.draft.EagleDraft`) from the target's own features: every position
@@ -171,7 +177,8 @@ class EagleDrafter:
     nothing.
 
     The target skips the positions a prefix-cache hit restores, so their features never reach the draft: the draft's
-    own state is kept beside each checkpoint the cache writes (`save`, the last ``max_saved``) and restored with it
+    own state is kept beside each checkpoint the cache writes (`save`: the last ``max_saved``, at most
+    ``max_saved_bytes`` — an MLA draft's state grows with the context) and restored with it
     (vLLM caches the draft's KV blocks beside the target's). A hit whose draft state was dropped starts the draft
     from the positions the target reads (drafts stay verified: only acceptance suffers). With ``compile`` the draft's
     steps and reads run through ``torch.compile`` (dynamic shapes: one graph serves every context length; 4x faster
@@ -179,14 +186,16 @@ class EagleDrafter:
 
     cost = 0.25  # one draft layer and the LM head per drafted position, and its verified position (stated)
 
-    def __init__(self, draft: EagleDraft, max_saved: int = 256, compile: bool = False, read_every: int = 64) -> None:
+    def __init__(self, draft: EagleDraft, max_saved: int = 256, compile: bool = False, read_every: int = 64,
+                 max_saved_bytes: int = 2**28) -> None:
         self.draft = draft.eval()
         self._step = torch.compile(self.draft.forward, dynamic=True) if compile else self.draft
         self._read = torch.compile(self.draft.read, dynamic=True) if compile else self.draft.read
         self.feature_layers, self.feature_source = draft.config.feature_layers, draft.config.feature_source
-        self.max_saved, self.read_every = max_saved, read_every
+        self.max_saved, self.max_saved_bytes, self.read_every = max_saved, max_saved_bytes, read_every
         self._sequences: dict[str, _Sequence] = {}
-        self._saved: OrderedDict[bytes, _Sequence] = OrderedDict()  # by prefix-cache checkpoint key, LRU first
+        self._saved: OrderedDict[bytes, tuple[_Sequence, int]] = OrderedDict()  # checkpoint key -> (state, bytes),
+        self._saved_bytes = 0  # least recently used first
 
     def observe(self, request_id: str, tokens: list[int], features: Tensor | None) -> None:
         seq = self._sequences.setdefault(request_id, _Sequence(self.draft.new_state(1)))
@@ -234,19 +243,29 @@ class EagleDrafter:
         self._sequences.pop(request_id, None)
 
     def save(self, request_id: str, key: bytes) -> None:
-        """Keep the draft's state for the checkpoint ``key`` (its states are values: later reads never change it)."""
+        """Keep the draft's state for the checkpoint ``key`` (its states are values: later reads never change it);
+        the least recently used go first beyond ``max_saved`` states or ``max_saved_bytes`` bytes."""
         seq = self._sequences.get(request_id)
-        if seq is not None:
-            self._saved[key] = replace(seq)
-            self._saved.move_to_end(key)
-            while len(self._saved) > self.max_saved:
-                self._saved.popitem(last=False)
+        if seq is None:
+            return
+        if key in self._saved:
+            self._saved_bytes -= self._saved.pop(key)[1]
+        size = seq.nbytes()
+        self._saved[key] = (replace(seq), size)
+        self._saved_bytes += size
+        while self._saved and (len(self._saved) > self.max_saved or self._saved_bytes > self.max_saved_bytes):
+            self._saved_bytes -= self._saved.popitem(last=False)[1][1]
+
+    @property
+    def saved_bytes(self) -> int:
+        """The bytes of the draft states kept beside prefix-cache checkpoints."""
+        return self._saved_bytes
 
     def restore(self, request_id: str, key: bytes) -> None:
-        seq = self._saved.get(key)
-        if seq is not None and request_id not in self._sequences:
+        saved = self._saved.get(key)
+        if saved is not None and request_id not in self._sequences:
             self._saved.move_to_end(key)
-            self._sequences[request_id] = replace(seq)
+            self._sequences[request_id] = replace(saved[0])
 
 
 class Speculator:
