@@ -182,3 +182,35 @@ def test_a_price_rise_without_runs_still_probes():
     lengths = DraftLength(gamma=4, cost=0.1, pause=4)
     lengths.cost = 10.0
     assert steps(lengths, "r", 4) == [0, 0, 0, 1]
+
+
+def test_padded_verification_drafts_all_or_nothing_and_probes_full_width():
+    """On compiled graphs every verification is γ + 1 wide: any γ > 0 costs 1 + c·γ, so the choice is γ or 0, and
+    a probe drafts γ (one draft would cost the same)."""
+    lengths = DraftLength(gamma=4, cost=0.25, prior=0.0, pause=4, padded=True)
+    assert {lengths.best(a / 20) for a in range(21)} == {0, 4}
+    lengths.update("r", 4, 0)
+    assert steps(lengths, "r", 4) == [0, 0, 0, 4]
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_a_fixed_price_verification_is_measured_per_verified_position(padded):
+    """A verification step costs 2 plain steps whatever is drafted (a padded, compiled one); drafts are always
+    accepted. Counting γ positions per verified row prices a position at 0.25 and drafting pays (≈2.5 tokens per
+    plain step's time); counting only the drafted ones, a one-draft probe prices a position at 1, and the request
+    stays paused."""
+    lengths, cost = DraftLength(gamma=4, cost=0.25, prior=0.0, pause=4, padded=padded), StepCost(0.25)
+    tokens = seconds = 0.0
+    for _ in range(400):
+        lengths.tick()
+        if cost.plain_step():
+            cost.record(1, 0, 1.0)
+            tokens, seconds = tokens + 1, seconds + 1
+            continue
+        drafted = lengths.length("r")
+        if drafted:
+            cost.record(1, 4 if padded else drafted, 2.0)
+            lengths.cost = cost.value
+            lengths.update("r", drafted, drafted)
+        tokens, seconds = tokens + 1 + drafted, seconds + (2.0 if drafted else 1.0)
+    assert (tokens / seconds > 2.2) if padded else (tokens / seconds < 1.1)

@@ -84,7 +84,8 @@ class Engine:
         self.drafter = drafter
         self.compiled = CompiledModel(self.model) if compile is True else compile or None
         self.scheduler = Scheduler(max_batch, prefill_chunk, max_waiting, self.model.new_state, prefix_cache)
-        self.speculator = Speculator(drafter, num_draft_tokens, self.max_model_len, adaptive_draft)
+        self.speculator = Speculator(drafter, num_draft_tokens, self.max_model_len, adaptive_draft,
+                                     padded=self.compiled is not None)
         self.runner = Runner(self.model, self.speculator, self.compiled)
         self.sampler = Sampler(tokenizer.vocab_size)
         self.outputs = Outputs(self.max_model_len)

@@ -277,11 +277,13 @@ class Speculator:
     ``plain`` (a speculating drafter's request decoding plainly: no draft found, or adaptively paused)."""
 
     def __init__(self, drafter: Drafter | None, num_draft_tokens: int, max_model_len: int,
-                 adaptive: bool = True) -> None:
+                 adaptive: bool = True, padded: bool = False) -> None:
         self.drafter, self.gamma, self.max_model_len = drafter, num_draft_tokens, max_model_len
+        self.padded = padded  # every verification row is γ + 1 wide (compiled graphs)
         self.feature_layers = None if drafter is None else drafter.feature_layers
         self.feature_source = None if drafter is None else drafter.feature_source
-        self.lengths = DraftLength(num_draft_tokens, drafter.cost) if drafter is not None and adaptive else None
+        self.lengths = DraftLength(num_draft_tokens, drafter.cost, padded=padded) \
+            if drafter is not None and adaptive else None
         self.cost = StepCost(drafter.cost) if self.lengths is not None else None
         self.counts: Counter[str] = Counter()
         self._proposed = (0, 0)  # the last `propose`: requests decoding, positions drafted
@@ -311,7 +313,8 @@ class Speculator:
                 out[r] = draft
             else:
                 self.counts["plain"] += 1
-        self._proposed = (len(requests), sum(len(d.tokens) for d in out.values()))
+        positions = self.gamma * len(out) if self.padded else sum(len(d.tokens) for d in out.values())
+        self._proposed = (len(requests), positions)
         return out
 
     def timed(self, seconds: float) -> None:

@@ -6,8 +6,10 @@ first rejection), the tokens a run is expected to keep are ``E(γ) = (1 − α^{
 decode steps is ``C(γ) = 1 + c·γ``, ``c`` the drafter's stated price of a drafted position (`NGramDrafter.cost`,
 `EagleDrafter.cost`, ...). `DraftLength` estimates α per request from its own runs — the geometric estimate
 Σ accepted / Σ examined, each run's counts decayed by ``decay`` so it follows a request whose text changes — and picks
-the γ ≤ ``gamma`` maximising E/C. When no γ > 0 beats plain decoding (E/C ≤ 1) the request decodes plainly until
-the next multiple of ``pause`` engine steps, then probes with one draft; the pause doubles while probes keep losing
+the γ ≤ ``gamma`` maximising E/C. Where verification runs on compiled graphs every run is ``gamma + 1`` wide
+(``padded``): any γ > 0 then costs 1 + c·``gamma``, so a request drafts ``gamma`` or nothing. When no γ > 0 beats
+plain decoding (E/C ≤ 1) the request decodes plainly until the next multiple of ``pause`` engine steps, then probes
+with one draft (``gamma`` when padded: the same price); the pause doubles while probes keep losing
 (up to ``max_pause``). Ending pauses at multiples of their length lines the probes of a batch up in the same steps.
 A probe that drafted nothing (an n-gram drafter found no match) pauses again for as long, so a request is never
 left without probes.
@@ -16,8 +18,9 @@ Tokens never depend on this choice (verification is lossless): only how many are
 The stated ``c`` is a guess; what a drafted position really costs depends on the machine, compiled graphs or not,
 and the batch. `StepCost` measures it: the first decode step (no prefill in it) and every ``every``-th after it
 draft nothing, timing a plain step at that batch size; a step with ``n`` drafted positions at batch ``B`` that took
-``r`` plain steps' time gives ``c = (r − 1)·B / n``, averaged with weight ``decay``. Once measured, that ``c``
-replaces the stated one.
+``r`` plain steps' time gives ``c = (r − 1)·B / n``, averaged with weight ``decay`` (padded verification counts
+``gamma`` positions per verified row, whatever was drafted: a one-draft probe must not look four times dearer).
+Once measured, that ``c`` replaces the stated one.
 """
 
 from __future__ import annotations
@@ -46,11 +49,12 @@ class DraftLength:
     same step and share its one verification group (a lone probe in a batch costs that batch a whole group)."""
 
     def __init__(self, gamma: int, cost: float, prior: float = 0.6, prior_weight: float = 2.0, decay: float = 0.8,
-                 pause: int = 16, max_pause: int = 256) -> None:
+                 pause: int = 16, max_pause: int = 256, padded: bool = False) -> None:
         if gamma < 0 or cost < 0 or not 0 <= prior <= 1 or not 0 < decay <= 1 or not 1 <= pause <= max_pause:
             raise ValueError(f"draft length: invalid settings gamma={gamma}, cost={cost}, prior={prior}, "
                              f"decay={decay}, pause={pause}, max_pause={max_pause}")
         self.gamma, self.cost, self.decay, self.min_pause, self.max_pause = gamma, cost, decay, pause, max_pause
+        self.padded = padded
         self.prior = (prior * prior_weight, prior_weight)
         self.now = 0
         self._records: dict[str, _Record] = {}
@@ -66,8 +70,10 @@ class DraftLength:
         return accepted / examined if examined > 0 else 0.0
 
     def best(self, alpha: float) -> int:
-        """The γ ≤ ``gamma`` with the most expected tokens per cost; 0 when none beats plain decoding."""
-        gain = [expected_tokens(alpha, g) / (1 + self.cost * g) for g in range(self.gamma + 1)]
+        """The γ ≤ ``gamma`` with the most expected tokens per cost; 0 when none beats plain decoding. ``padded``:
+        every verification is ``gamma + 1`` wide (compiled graphs), so any γ > 0 costs 1 + c·``gamma``."""
+        gain = [expected_tokens(alpha, g) / (1 + self.cost * (self.gamma if self.padded and g else g))
+                for g in range(self.gamma + 1)]
         best = max(range(self.gamma + 1), key=gain.__getitem__)
         return best if gain[best] > 1 else 0
 
@@ -78,7 +84,7 @@ class DraftLength:
             if self.now < r.probe_at:
                 return 0
             r.probe_at = None
-            return min(1, self.gamma)  # the pause ends: probe with one draft
+            return self.gamma if self.padded else min(1, self.gamma)  # the pause ends: probe (as wide as it costs)
         best = self.best(self.acceptance(request_id))
         if best == 0:  # no run will come to update α (a probe found nothing to draft, or the price rose): wait again
             self._pause(r, r.pause or self.min_pause)

@@ -57,7 +57,7 @@ class Runner:
         """The tokens of every verification row when verification runs on compiled graphs: the longest run,
         ``γ + 1``, so one graph per batch bucket serves every γ the adaptive rule picks; None when verification runs
         eagerly (rows as long as the longest run)."""
-        if self.compiled is None or self.speculator.drafter is None:
+        if not self.speculator.padded or self.speculator.drafter is None:
             return None
         return self.speculator.gamma + 1
 
