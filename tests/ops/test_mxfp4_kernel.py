@@ -98,3 +98,12 @@ def test_packed_experts_through_the_kernel_equal_the_pytorch_path(monkeypatch, i
             want = packed(x, weights, indices)
             monkeypatch.undo()
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_a_failed_build_warns_and_leaves_the_pytorch_path(monkeypatch, tmp_path):
+    """A compiler that fails (here `false`) gives no kernel and one warning, nothing cached; callers fall back."""
+    monkeypatch.setenv("CC", "false")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    with pytest.warns(RuntimeWarning, match="MXFP4 kernel unavailable"):
+        assert mxfp4_kernel.build(mxfp4_kernel.FLAGS + ("-DK3_TEST_BUILD",)) is None
+    assert not list((tmp_path / "k3" / "kernels").glob("*.so"))

@@ -50,9 +50,9 @@ def build(flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL | None:
     source = _SOURCE.read_bytes()
     key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), _cpu_flags().encode(),
                                       compiler.encode()])).hexdigest()[:16]
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "k3" / "kernels"
-    target = cache / f"mxfp4_gemv-{key}.so"
     try:
+        cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "k3" / "kernels"
+        target = cache / f"mxfp4_gemv-{key}.so"
         if not target.is_file():
             cache.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=cache) as tmp:
@@ -61,7 +61,7 @@ def build(flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL | None:
                                capture_output=True, timeout=120)
                 os.replace(built, target)  # atomic: a concurrent build writes the same bytes
         library = ctypes.CDLL(str(target))
-    except (OSError, subprocess.SubprocessError) as err:
+    except (OSError, RuntimeError, subprocess.SubprocessError) as err:  # RuntimeError: no home directory
         detail = getattr(err, "stderr", b"") or b""
         warnings.warn(f"MXFP4 kernel unavailable, using the PyTorch path: {err} {detail.decode(errors='replace')}",
                       RuntimeWarning, stacklevel=3)
