@@ -287,7 +287,8 @@ def test_a_packed_checkpoint_never_materialises_float_experts(runs, tmp_path, ca
     out = tmp_path / "packed"
     assert main(["quantize", "--ckpt", str(runs["qat"]), "--out", str(out)]) == 0
     devices, initialise = [], Experts.reset_parameters
-    monkeypatch.setattr(Experts, "reset_parameters", lambda self: devices.append(self.gate_up.device) or initialise(self))
+    monkeypatch.setattr(Experts, "reset_parameters",
+                        lambda self: devices.append(self.gate_up.device) or initialise(self))
     packed, _ = load_model(out)
     assert devices and {d.type for d in devices} == {"meta"}
     assert {t.device.type for t in packed.state_dict().values()} == {"cpu"} and not packed.training
