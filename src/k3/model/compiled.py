@@ -43,10 +43,12 @@ import torch
 from torch import Tensor
 
 from k3.model.lm import K3ForCausalLM
+from k3.model.packed import PackedExperts
 from k3.model.projections import fused
 from k3.model.sequence.kda import KDAState
 from k3.model.sequence.mla import MLACache, MLASlots
 from k3.model.state import DecoderState
+from k3.model.width import Experts
 
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32)
 PREFILL_PIECES = (64, 16, 4, 1)
@@ -66,6 +68,14 @@ torch.nn.modules.module.register_module_parameter_registration_hook(_registered)
 torch.nn.modules.module.register_module_buffer_registration_hook(_registered)
 
 
+def _eager_packed_dispatch() -> None:
+    """Packed experts' dispatch runs eagerly inside a compiled step: which experts a step reads depends on the
+    routing (a graph per routing otherwise), and their product is the packed-byte kernel's, not inductor's. Marked
+    when a step is first compiled: `torch.compiler.disable` at import would load the compiler for eager users."""
+    if "forward" not in vars(PackedExperts):
+        PackedExperts.forward = torch.compiler.disable(Experts.forward)
+
+
 class CompiledStep:
     """``step(input_ids [B, T], state) -> (logits [B, V], state)``: what ``model.forward_groups([(input_ids,
     state)])[0]`` gives (logits within float reassociation, ~1e-5 relative in fp32), compiled once per shape key.
@@ -74,6 +84,7 @@ class CompiledStep:
 
     def __init__(self, model: K3ForCausalLM, tuned: bool = False, replayed: bool = False) -> None:
         self.model, self.tuned, self.replayed = model, tuned, replayed
+        _eager_packed_dispatch()
         self.compilations = 0
         self.compile_seconds: dict[tuple, float] = {}  # shape key -> seconds of the call that compiled it
         self._warm: set[tuple] = set()

@@ -48,7 +48,8 @@ class PackedExperts(Experts):
     """`Experts` whose weights stay MXFP4-packed; never the all-experts dense path (it would decode every one).
 
     ``input_format`` (an MXFP8 format or None) quantizes the experts' matmul inputs as `Experts` does with MX
-    on, so a packed model computes exactly what its fake-quantized float model computes (SPEC §7).
+    on, so a packed model computes exactly what its fake-quantized float model computes (SPEC §7). Inside a
+    compiled step its dispatch runs eagerly (`k3.model.compiled` marks ``forward`` so).
     """
 
     DENSE_LIMIT = 0
@@ -62,13 +63,6 @@ class PackedExperts(Experts):
         self.num_experts, self.width, self.hidden = n_experts, width, hidden
         self.weight_format, self.input_format = "mxfp4", input_format
         self.packed = nn.ModuleList(PackedExpert(width, hidden) for _ in range(n_experts))
-
-    @torch.compiler.disable
-    def forward(self, x: Tensor, weights: Tensor, indices: Tensor) -> Tensor:
-        """`Experts.forward`, run eagerly inside a compiled step (`k3.model.compiled`): which experts a step reads
-        depends on the routing, so a traced dispatch would be a graph per routing, and the packed product is the
-        kernel's, not inductor's."""
-        return super().forward(x, weights, indices)
 
     @classmethod
     def like(cls, experts: Experts) -> PackedExperts:
