@@ -162,12 +162,12 @@ def decode_rows(fp_dir: Path, packed_dir: Path, tokens: int, bandwidth: float) -
              ("packed MXFP4 w, decoded weights", packed_dir, "mxfp4", None, torch.float32, False),
              ("fake-quant: float experts, MX on (MXFP4 w, MXFP8 in)", fp_dir, "mxfp4", E4M3, torch.float32, True),
              ("packed MXFP4 w, MXFP8 in, packed-byte kernel", packed_dir, "mxfp4", E4M3, torch.float32, True))
-    rows, reference = [], {}
+    rows, reference, kernel_rows = [], {}, PackedExperts.KERNEL_ROWS
     for name, ckpt, weights, inputs, dtype, kernel in cases:
         model = set_mx(load_model(ckpt)[0], weights, inputs).to(dtype)
-        PackedExperts.KERNEL_ROWS = 64 if kernel else 0
+        PackedExperts.KERNEL_ROWS = kernel_rows if kernel else 0
         tok_s, out, logits, product_ms = decode(model, tokens, dtype)
-        PackedExperts.KERNEL_ROWS = 64
+        PackedExperts.KERNEL_ROWS = kernel_rows
         layers, k = len(experts_of(model)), model.config.moe.num_experts_per_token
         roofline_ms = 1e3 * expert_bytes(experts_of(model)[0], dtype) * layers * k / (bandwidth * 1e9)
         row = {"model": name, "tokens": tokens, "tokens_per_s": tok_s, "ms_per_token": 1e3 / tok_s,

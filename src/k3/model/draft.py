@@ -203,13 +203,7 @@ class EagleDraft(nn.Module):
         outputs) → ``(logits [B, T, V_draft], hidden_out [B, T, d], state)``. With a state the call continues it
         and returns the advanced state (the given one is not modified); token by token equals one call. Without
         one (training) the call is causal within ``tokens`` and returns None."""
-        d = self.in_proj.out_features
-        if tokens.dim() != 2 or hidden.shape != (*tokens.shape, d):
-            raise ValueError(f"tokens [B, T] and hidden [B, T, {d}] expected, got {list(tokens.shape)} and "
-                             f"{list(hidden.shape)}")
-        e = self.embed_norm(self.target.embed(tokens, None))
-        z = self.mixer_norm(self.in_proj(torch.cat([e, self.hidden_norm(hidden)], dim=-1)))
-        a, state = self.mixer(z, state)
+        a, state = self.mixer(self._mixer_input(tokens, hidden), state)
         h = hidden + a
         h = h + self.ffn(self.ffn_norm(h))
         return self.norm(h) @ self.head_weight().T, h, state
@@ -217,9 +211,16 @@ class EagleDraft(nn.Module):
     def read(self, tokens: Tensor, hidden: Tensor, state: DraftState) -> DraftState:
         """The state after ``forward(tokens, hidden, state)``, without what only the outputs need (the FFN and the
         LM head): how the draft catches up on positions the target consumed."""
+        return self.mixer(self._mixer_input(tokens, hidden), state)[1]
+
+    def _mixer_input(self, tokens: Tensor, hidden: Tensor) -> Tensor:
+        """The draft layer's mixer input: the normed token embeddings and features, projected and normed."""
+        d = self.in_proj.out_features
+        if tokens.dim() != 2 or hidden.shape != (*tokens.shape, d):
+            raise ValueError(f"tokens [B, T] and hidden [B, T, {d}] expected, got {list(tokens.shape)} and "
+                             f"{list(hidden.shape)}")
         e = self.embed_norm(self.target.embed(tokens, None))
-        _, state = self.mixer(self.mixer_norm(self.in_proj(torch.cat([e, self.hidden_norm(hidden)], dim=-1))), state)
-        return state
+        return self.mixer_norm(self.in_proj(torch.cat([e, self.hidden_norm(hidden)], dim=-1)))
 
     def to_target(self, logits: Tensor) -> Tensor:
         """Draft-vocabulary logits ``[..., V_draft]`` as target-vocabulary logits (−inf where no draft id maps)."""

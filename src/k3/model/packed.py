@@ -77,10 +77,9 @@ class PackedExperts(Experts):
         """Expert ``e`` on its tokens ``xs`` ``[n, W]``: up to ``KERNEL_ROWS`` fp32 rows on the CPU through the
         packed-byte kernel (`k3.ops.mxfp4_kernel`), which never decodes the weights to floats; otherwise (or without
         the kernel) the weights decoded, then a matmul."""
-        x = self._input(xs)
-        if xs.shape[0] > self.KERNEL_ROWS or not mxfp4_kernel.available(x):
+        if xs.shape[0] > self.KERNEL_ROWS or not mxfp4_kernel.available(xs):
             return super().expert(e, xs)
-        p = self.packed[e]
+        x, p = self._input(xs), self.packed[e]
         gate, up = (mxfp4_kernel.gemv(x, w.weight_packed, w.weight_scale) for w in (p.w1, p.w3))
         return mxfp4_kernel.gemv(self._input(self.activate(gate, up)), p.w2.weight_packed, p.w2.weight_scale)
 

@@ -119,6 +119,12 @@ def encode(x: Tensor, fmt: str) -> tuple[Tensor, Tensor]:
     return codes.flatten(-2).to(torch.uint8), scale.to(torch.uint8)
 
 
+def _scale_values(scale: Tensor) -> Tensor:
+    """fp32 ``2^(s − 127)`` of E8M0 bytes ``s``; NaN for byte 255."""
+    factor = torch.ldexp(torch.ones(scale.shape, device=scale.device), scale.int() - 127)
+    return factor.masked_fill(scale == NAN_SCALE, torch.nan)
+
+
 def decode(codes: Tensor, scale: Tensor, fmt: str, dtype: torch.dtype = torch.float32) -> Tensor:
     """``codes`` uint8 ``[..., n]`` and ``scale`` uint8 ``[..., n/32]`` → ``[..., n]`` in ``dtype``: computed in
     fp32, exact there (fp32 overflow gives ±inf); scale byte 255 makes its block NaN."""
@@ -129,9 +135,7 @@ def decode(codes: Tensor, scale: Tensor, fmt: str, dtype: torch.dtype = torch.fl
         raise ValueError(f"MX decode: codes {list(codes.shape)} and scale {list(scale.shape)} do not match "
                          f"(expected [..., n] and [..., n/{BLOCK}])")
     values = f.values().to(codes.device)[codes.long()]
-    factor = torch.ldexp(torch.ones(scale.shape, device=scale.device), scale.int() - 127)
-    factor = factor.masked_fill(scale == NAN_SCALE, torch.nan)
-    return (_blocks(values, "MX decode") * factor.unsqueeze(-1)).flatten(-2).to(dtype)
+    return (_blocks(values, "MX decode") * _scale_values(scale).unsqueeze(-1)).flatten(-2).to(dtype)
 
 
 def pack_fp4(codes: Tensor) -> Tensor:
@@ -177,10 +181,8 @@ def dequantize(packed: Tensor, scale: Tensor, dtype: torch.dtype = torch.float32
     table = _BYTE_VALUES.get(packed.device)
     if table is None:
         table = _BYTE_VALUES[packed.device] = _byte_values(packed.device)
-    factor = torch.ldexp(torch.ones(scale.shape, device=scale.device), scale.int() - 127)
-    factor = factor.masked_fill(scale == NAN_SCALE, torch.nan)
     values = table.index_select(0, packed.reshape(-1).int()).view(*scale.shape, BLOCK // 2, 2)
-    return (values * factor[..., None, None]).flatten(-3).to(dtype)
+    return (values * _scale_values(scale)[..., None, None]).flatten(-3).to(dtype)
 
 
 def quantize(x: Tensor) -> tuple[Tensor, Tensor]:
