@@ -27,7 +27,7 @@ from typing import Any, BinaryIO
 from safetensors import SafetensorError
 
 __all__ = ["CONFIG_LIMIT", "DATA_LIMIT", "POINTER_LIMIT", "atomic_write", "open_regular", "read_bytes", "read_json",
-           "read_text", "write_bytes", "write_text"]
+           "read_text", "user_cache", "write_bytes", "write_text"]
 
 #: Read limits, far above any real file of the kind. Configs, manifests, ``train.json``, ``state.json``:
 CONFIG_LIMIT = 64 * 2**20
@@ -117,6 +117,12 @@ def read_json(path: str | os.PathLike, limit: int) -> Any:
         return json.loads(read_text(path, limit))
     except json.JSONDecodeError as err:
         raise ValueError(f"{os.fspath(path)}: not valid JSON ({err})") from err
+
+
+def user_cache(name: str) -> Path:
+    """The directory ``name`` of kimi-k3's per-user cache (``$XDG_CACHE_HOME/k3/name``, default ``~/.cache/k3/name``);
+    not created. RuntimeError when there is no home directory."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "k3" / name
 
 
 def _too_large(path: str | os.PathLike, limit: int, size: str) -> str:

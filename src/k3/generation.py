@@ -56,7 +56,7 @@ def sample_next(logits: Tensor, temperature: float = 1.0, top_p: float = 1.0, to
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def stream(model: K3ForCausalLM, prompt: list[int], max_tokens: int, temperature: float = 1.0,
            top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
            stop_ids: tuple[int, ...] = (), step: Callable | None = None) -> Iterator[int]:

@@ -18,10 +18,12 @@ def _generate(args: argparse.Namespace) -> int:
     model, tokenizer = load(args.ckpt, verify=not args.no_verify)
     prompt = tokenizer.encode(args.prompt) or [tokenizer.bos_id]
     compiled = None
-    if EngineOptions.from_args(args).compile:
+    if EngineOptions.from_args(args).compile:  # the decode graph loaded from the on-disk cache, or compiled
         from k3.model.compiled import CompiledModel
 
         compiled = CompiledModel(model)
+        context = min(len(prompt) + args.max_tokens, model.config.context_length)
+        compiled.precompile(compiled.families(1, context, prefill=False))
     print(args.prompt, end="", flush=True)
     ids: list[int] = []
     for token in stream(model, prompt, args.max_tokens, args.temperature, args.top_p, args.top_k, args.seed,
@@ -29,8 +31,9 @@ def _generate(args: argparse.Namespace) -> int:
         ids.append(token)
     print(tokenizer.decode(ids))
     if compiled is not None:
-        print(f"k3: {compiled.compilations} compiled graphs, {sum(compiled.compile_seconds.values()):.1f} s of "
-              f"first calls", file=sys.stderr)
+        print(f"k3: {compiled.graph_calls} steps on compiled graphs, {compiled.eager_calls} eager; {compiled.built} "
+              f"graphs, {compiled.cache_hits} of them loaded from the on-disk cache "
+              f"({sum(compiled.compile_seconds.values()):.1f} s)", file=sys.stderr)
     return 0
 
 
@@ -95,11 +98,16 @@ def _serve(args: argparse.Namespace) -> int:
     options = EngineOptions.from_args(args)
     torch.set_num_threads(options.threads or max(1, (os.cpu_count() or 1) - 1))
     engine = options.build(*load(args.ckpt, verify=not args.no_verify))
-    if engine.compiled is not None:  # every graph built before the first request: none stalls a running batch
-        seconds = engine.warm_up()
-        print(f"k3 serve: {engine.compiled.compilations} graphs compiled in {seconds:.1f} s (decode batches up to "
-              f"{engine.compiled.bucket(engine.max_batch)}, prefill pieces {engine.compiled.sizes}, context "
-              f"{engine.max_model_len} tokens)", flush=True)
+    if engine.compiled is not None:  # no graph is ever built inside a running batch's step
+        seconds = engine.warm_up(background=not args.compile_wait)
+        compiled, what = engine.compiled, (f"decode batches up to {engine.compiled.bucket(engine.max_batch)}, prefill "
+                                           f"pieces {engine.compiled.sizes}, context {engine.max_model_len} tokens")
+        if compiled.ready is not None:
+            print(f"k3 serve: building {len(compiled.planned)} graphs in the background ({what}); until a shape's "
+                  f"graph is ready its steps run eagerly (GET /metrics: k3_compile_graphs_built)", flush=True)
+        else:
+            print(f"k3 serve: {compiled.compilations} graphs compiled in {seconds:.1f} s, {compiled.cache_hits} of "
+                  f"them from the on-disk cache ({what})", flush=True)
     engine.start()
     name = args.model_name or Path(args.ckpt).resolve().name
     app = create_app(engine, name, api_key=args.api_key, default_mode=args.mode, limits=limits,
@@ -251,6 +259,9 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
                           "PORT+1..PORT+N, the router on --port (default: %(default)s, no router)")
     sub.add_argument("--api-key", help="require 'Authorization: Bearer KEY'")
     sub.add_argument("--model-name", help="the served model id (default: the checkpoint directory name)")
+    sub.add_argument("--compile-wait", action="store_true", help="with --compile, build every graph before "
+                     "listening (default: listen at once, serve eagerly and switch each shape family to its graph "
+                     "when the background compilation has built it)")
     EngineOptions.add_threads_argument(sub)
     sub.add_argument("--reasoning-in-content", action="store_true",
                      help="put the thinking into 'content' as <think>...</think> unless a request asks "

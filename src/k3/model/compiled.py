@@ -29,21 +29,37 @@ weights (`k3.model.projections.fused`, stacked once at compilation), the matrix�
 code fused with their neighbours instead of library calls, and the kernels are called from C++ — 2.5× faster decode
 on CPU, ~60 s of compilation per graph. Frozen weights are snapshots, so a change to the model's parameters (an
 optimiser step, a `load_state_dict`) is detected at the next call, which resets `torch.compiler` (every compiled
-graph of the process) and compiles anew. Compiled kernels are cached on disk by inductor. Importing this module
-imports nothing of the compiler; it sets torch.nn's global parameter and buffer registration hooks (a counter that
-tells the weights' list went stale).
+graph of the process) and compiles anew. Importing this module imports nothing of the compiler; it sets torch.nn's
+global parameter and buffer registration hooks (a counter that tells the weights' list went stale).
+
+Start-up (issue 37). Inductor's cache of graphs, kernels and autotuning results is kept in ``~/.cache/k3/inductor``
+(`persistent_cache`) rather than ``/tmp``; it serves the untuned graphs, but a tuned graph holds prepacked (mkldnn)
+weights that inductor will not cache, so every process compiles those again. *Precompiled* steps
+(`k3.model.precompiled`: the weights are graph inputs, the whole step is saved to a file) load in seconds instead:
+``k3 generate --compile`` decodes on one (`CompiledModel.precompile`), and a server builds its graphs in the
+background while it serves eagerly (`CompiledModel.compile_in_background`): the precompiled graph of every family
+first, then the tuned decode and verification graphs that replace them.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import os
+import sys
+import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import fields, replace
 
 import torch
 from torch import Tensor
 
+from k3.files import user_cache
+from k3.model.background import Gate
 from k3.model.lm import K3ForCausalLM
 from k3.model.packed import PackedExperts
+from k3.model.precompiled import GraphFiles, forward_replayed, forward_step, precompilable
 from k3.model.projections import fused
 from k3.model.sequence.kda import KDAState
 from k3.model.sequence.mla import MLACache, MLASlots
@@ -57,6 +73,8 @@ PREFILL_PIECES = (64, 16, 4, 1)
 CASCADE_SUM = 4096
 _RESETS = [0]  # `torch.compiler.reset` calls made here: every shape key seen before is cold again
 _REGISTRATIONS = [0]  # parameters and buffers (re)registered on any module since this module was imported
+_BACKGROUND = [0]  # background compilations running: warm graphs run with every guard checked meanwhile
+_COMPILE_LOCK = threading.Lock()
 
 
 def _registered(*_: object) -> None:
@@ -66,6 +84,19 @@ def _registered(*_: object) -> None:
 
 torch.nn.modules.module.register_module_parameter_registration_hook(_registered)
 torch.nn.modules.module.register_module_buffer_registration_hook(_registered)
+
+
+def persistent_cache() -> str | None:
+    """The directory inductor keeps its compiled graphs, C++ kernels and autotuning results in, across processes:
+    ``TORCHINDUCTOR_CACHE_DIR`` where set, else ``~/.cache/k3/inductor`` (inductor's own default lies in ``/tmp``,
+    which a reboot empties). Inductor keys each entry by the graph, its input shapes and dtypes, its options, the torch
+    version and the CPU's instruction set, so one directory serves every model and machine safely. None without a
+    home directory (inductor's default then)."""
+    try:
+        default = str(user_cache("inductor"))
+    except RuntimeError:
+        return os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    return os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", default)
 
 
 def _eager_packed_dispatch() -> None:
@@ -82,28 +113,44 @@ class CompiledStep:
     A ``replayed`` step is a speculative verification: ``forward_groups(..., full=[True], replay=[True])``, logits
     of every position ``[B·T, V]`` and a state whose `Replay` rolls back to any prefix of the run."""
 
-    def __init__(self, model: K3ForCausalLM, tuned: bool = False, replayed: bool = False) -> None:
-        self.model, self.tuned, self.replayed = model, tuned, replayed
+    def __init__(self, model: K3ForCausalLM, tuned: bool = False, replayed: bool = False,
+                 gate: Gate | None = None, precompiled: bool = False) -> None:
+        if precompiled and (tuned or not precompilable(model)):
+            raise ValueError("precompiled: graphs whose weights are inputs (not tuned), of a model without packed "
+                             "experts")
+        self.model, self.tuned, self.replayed, self.gate = model, tuned, replayed, gate
+        self.precompiled = precompiled
+        persistent_cache()
         _eager_packed_dispatch()
         self.compilations = 0
+        self.cache_hits = 0  # of the compilations, graphs loaded from an on-disk cache (inductor's, or `GraphFiles`)
         self.compile_seconds: dict[tuple, float] = {}  # shape key -> seconds of the call that compiled it
         self._warm: set[tuple] = set()
         self._registrations, self._tensors = -1, []
         self._weights = self._weights_version()
+        self._graphs: dict[tuple, Callable] = {}  # precompiled: the graph of each shape key
+        self._files = GraphFiles(model) if precompiled else None
         self._compiled = torch.compile(self._forward, backend=self._backend, dynamic=False)
         # one code object holds every instance's graphs: dynamo's default of 8 would fall back to eager
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
 
+    @property
+    def _function(self) -> Callable:
+        """What the graphs compute, of ``(model, input_ids, state)``."""
+        return forward_replayed if self.replayed else forward_step
+
     def _forward(self, input_ids: Tensor, state: DecoderState) -> tuple[Tensor, DecoderState]:
-        (logits, after), = self.model.forward_groups([(input_ids, state)], full=[self.replayed],
-                                                     replay=[self.replayed])
-        return logits, after
+        return self._function(self.model, input_ids, state)
 
     def _backend(self, graph: torch.fx.GraphModule, example_inputs: list[Tensor]):  # noqa: ANN202
+        from torch._dynamo.utils import counters
         from torch._inductor.compile_fx import compile_fx
 
+        hits = counters["inductor"]["fxgraph_cache_hit"]
         self.compilations += 1
-        return compile_fx(graph, example_inputs)
+        out = compile_fx(graph, example_inputs)
+        self.cache_hits += counters["inductor"]["fxgraph_cache_hit"] > hits
+        return out
 
     def _options(self) -> dict:
         """Inductor's options for a new graph: dynamo reads ``freezing`` while it traces, inductor on first call."""
@@ -132,7 +179,7 @@ class CompiledStep:
             raise ValueError(f"input_ids: token ids must lie in [0, vocab_size={vocab})")
         if state.batch_size != input_ids.shape[0] or state.replay is not None:
             raise ValueError(f"state: expected a DecoderState of batch size {input_ids.shape[0]} without a replay")
-        weights = self._weights_version()
+        weights = None if self.precompiled else self._weights_version()
         if self.tuned and weights != self._weights:  # frozen weights gone stale: every graph is built anew
             torch.compiler.reset()
             _RESETS[0] += 1
@@ -144,22 +191,16 @@ class CompiledStep:
                  self.model.training, torch.get_num_threads(),  # a guard of dynamo's global state
                  torch.is_inference_mode_enabled(),  # inference tensors dispatch differently
                  tuple(layer.capture for layer in self.model.layers))  # features kept (`K3ForCausalLM.capture`)
-        key, built = (*shape, weights, _RESETS[0]), self.compilations
-        warm = key in self._warm
-        if warm:
-            stance = torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
-        else:
-            from torch._inductor import config as inductor
-
-            stance = inductor.patch(self._options())
+        key = shape if self.precompiled else (*shape, weights, _RESETS[0])  # precompiled: the weights are inputs
+        cold, built = key not in self._warm, self.compilations
+        if cold and _BACKGROUND[0] and not (self.gate and self.gate.on_thread()):
+            return self._forward(input_ids, state)  # a step never compiles beside a background compilation
         slots = _slots(state, tokens)
         inputs = DecoderState([_graph_input(layer) for layer in slots], _optional(state.depth), 0,
                               _optional(state.padding))
         start = time.perf_counter()
-        # frozen weights: the products of one input run as one (`k3.model.projections`); the token count is
-        # bookkeeping outside the graph (a Python int the graph would specialise on)
-        with stance, fused(self.tuned):
-            logits, after = self._compiled(_canonical(input_ids), inputs)
+        run = self._run_precompiled if self.precompiled else self._run_traced
+        logits, after = run(key, cold, _canonical(input_ids), inputs)
         self._warm.add(key)
         if self.compilations > built:
             self.compile_seconds[shape] = time.perf_counter() - start
@@ -168,6 +209,44 @@ class CompiledStep:
                   for out, before in zip(after.layers, slots, strict=True)]
         replay = None if after.replay is None else replace(after.replay, before=state)  # the caller's own state
         return logits, replace(after, layers=layers, position=state.position + tokens, replay=replay)
+
+    def _run_traced(self, key: tuple, cold: bool, input_ids: Tensor, inputs: DecoderState
+                    ) -> tuple[Tensor, DecoderState]:
+        """The graph of ``key`` through dynamo (compiled first when ``cold``). Frozen weights: the products of one
+        input run as one (`k3.model.projections`); the token count is bookkeeping outside the graph (a Python int
+        the graph would specialise on)."""
+        if cold:
+            stance = _compiling(self._options())
+        elif _BACKGROUND[0]:  # the stance is global: while another thread compiles, every guard is checked
+            stance = contextlib.nullcontext()
+        else:
+            stance = torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
+        with stance, fused(self.tuned):
+            return self._compiled(input_ids, inputs)
+
+    def _run_precompiled(self, key: tuple, cold: bool, input_ids: Tensor, inputs: DecoderState
+                         ) -> tuple[Tensor, DecoderState]:
+        """The precompiled graph of ``key``: loaded from its file, else compiled and saved (`GraphFiles`)."""
+        graph = self._graphs.get(key)
+        if graph is None:
+            path = self._files.path("replayed" if self.replayed else "step", key)
+            with _COMPILE_LOCK:
+                graph = self._files.load(path)
+                self.cache_hits += graph is not None
+                if graph is None:
+                    graph = self._files.compile(self._function, path, input_ids, inputs)
+            self.compilations += 1
+            self._graphs[key] = graph
+        return graph(self.model, input_ids, inputs)
+
+
+@contextlib.contextmanager
+def _compiling(options: dict) -> Iterator[None]:
+    """One compilation at a time in this process, under its inductor ``options`` (a global configuration)."""
+    from torch._inductor import config as inductor
+
+    with _COMPILE_LOCK, inductor.patch(options):
+        yield
 
 
 def _slots(state: DecoderState, tokens: int) -> list:
@@ -223,6 +302,16 @@ def pieces(length: int, sizes: tuple[int, ...] = PREFILL_PIECES) -> list[int]:
     return out
 
 
+def _stepping(method: Callable) -> Callable:
+    """A `CompiledModel` step: the background compilation waits while it runs (`k3.model.background.Gate`)."""
+    @functools.wraps(method)
+    def run(self: CompiledModel, input_ids: Tensor, state: DecoderState) -> tuple[Tensor, DecoderState]:
+        with self.gate.busy():
+            return method(self, input_ids, state)
+
+    return run
+
+
 class CompiledModel:
     """A model's decode and prefill-chunk steps, compiled over bucketed shapes (``k3 generate / serve / chat
     --compile``, ``Engine(compile=True)``). Called like the model (``compiled(input_ids, state)``, `decode`,
@@ -234,21 +323,38 @@ class CompiledModel:
         if 1 not in sizes or min(batches, default=0) < 1:
             raise ValueError(f"sizes must hold 1 and batches be positive, got sizes={sizes}, batches={batches}")
         self.model, self.batches, self.sizes = model, tuple(sorted(batches)), tuple(sizes)
-        self.decode_step, self.prefill_step = CompiledStep(model, tuned), CompiledStep(model)
-        self.verify_step = CompiledStep(model, tuned, replayed=True)
+        self.gate = Gate()  # a background compilation runs only between steps
+        self.decode_step = CompiledStep(model, tuned, gate=self.gate)
+        self.prefill_step = CompiledStep(model, gate=self.gate)
+        self.verify_step = CompiledStep(model, tuned, replayed=True, gate=self.gate)
         # the last padded decode: (the rows returned, the whole bucket), so a batch that is not a bucket continues
         # its filler rows too and its caches keep growing in place instead of being stacked anew every step
         self._padded: tuple[DecoderState, DecoderState] | None = None
+        self.precompiled: dict[str, CompiledStep] = {}  # a background compilation's first graphs, by kind
+        self.ready: dict[tuple, CompiledStep] | None = None  # compiling in the background: each family's best step
+        self.planned: list[tuple] = []  # what a background compilation builds, in order: (family, tier)
+        self.built = 0  # of them, those done
+        self.background: threading.Thread | None = None
+        self.background_error: Exception | None = None
+        self.eager_calls = self.graph_calls = 0  # steps run eagerly (no graph for them, or not ready yet) / on graphs
+
+    def _steps(self) -> dict[str, CompiledStep]:
+        """Every compiled step by name: the traced ones and the precompiled ones."""
+        return {"decode": self.decode_step, "prefill": self.prefill_step, "verify": self.verify_step,
+                **{f"precompiled {kind}": step for kind, step in self.precompiled.items()}}
 
     @property
     def compilations(self) -> int:
-        return self.decode_step.compilations + self.prefill_step.compilations + self.verify_step.compilations
+        return sum(step.compilations for step in self._steps().values())
+
+    @property
+    def cache_hits(self) -> int:
+        """Of the `compilations`, the graphs loaded from an on-disk cache (`persistent_cache`, `GraphFiles`)."""
+        return sum(step.cache_hits for step in self._steps().values())
 
     @property
     def compile_seconds(self) -> dict[tuple, float]:
-        return {**{("decode", *k): s for k, s in self.decode_step.compile_seconds.items()},
-                **{("prefill", *k): s for k, s in self.prefill_step.compile_seconds.items()},
-                **{("verify", *k): s for k, s in self.verify_step.compile_seconds.items()}}
+        return {(name, *k): s for name, step in self._steps().items() for k, s in step.compile_seconds.items()}
 
     def bucket(self, batch: int) -> int:
         """The decode batch size ``batch`` rows run at (a larger batch than every bucket: its own size)."""
@@ -274,12 +380,14 @@ class CompiledModel:
         logits, state = self.prefill_rows(input_ids, state)
         return logits.unsqueeze(1), state
 
+    @_stepping
     def decode_rows(self, input_ids: Tensor, state: DecoderState) -> tuple[Tensor, DecoderState]:
         """One token per row, ``input_ids [B, 1]``; the batch padded to its bucket with copies of row 0. An unpadded
         state runs as one padded by zeros (the same attention: one graph per bucket, not two); a step on a cache of
         0 or 1 positions (the first tokens of a sequence) runs eagerly, so that every graph a server can reach is
         one that `warm_up` builds."""
-        if cached(state) < 2:
+        graph = self._graph(("decode", self.bucket(input_ids.shape[0]), cached(state)), self.decode_step)
+        if cached(state) < 2 or graph is None:
             return self._eager(input_ids, state)
         batch, unpadded = input_ids.shape[0], state.padding is None
         extra = self.bucket(batch) - batch
@@ -293,31 +401,37 @@ class CompiledModel:
             input_ids = torch.cat([input_ids, input_ids[:1].expand(extra, -1)])
         elif unpadded:
             state = replace(state, padding=state.row_padding())
-        logits, after = self.decode_step(input_ids, state)
+        self.graph_calls += 1
+        logits, after = graph(input_ids, state)
         out = after.select(slice(0, batch)) if extra else after
         out = replace(out, padding=None) if unpadded else out
         self._padded = (out, after) if extra else None
         return logits[:batch], out
 
+    @_stepping
     def verify(self, input_ids: Tensor, state: DecoderState) -> tuple[Tensor, DecoderState]:
         """A speculative verification ``input_ids [B, T]`` (each row's pending token and drafts, right-padded):
         the logits of every position ``[B·T, V]`` (rows first) and the state with its `Replay`, as
         ``forward_groups(..., full=[True], replay=[True])``. Rows are padded to the decode bucket with copies of
         row 0, one graph per (bucket, T); on a cache of 0 or 1 positions it runs eagerly, as `decode`."""
-        if cached(state, input_ids.shape[1]) < 2:
+        batch, tokens, unpadded = input_ids.shape[0], input_ids.shape[1], state.padding is None
+        graph = self._graph(("verify", self.bucket(batch), tokens, cached(state, tokens)), self.verify_step)
+        if cached(state, tokens) < 2 or graph is None:
+            self.eager_calls += 1
             with torch.no_grad():
                 return self.model.forward_groups([(input_ids, state)], full=[True], replay=[True])[0]
-        batch, tokens, unpadded = input_ids.shape[0], input_ids.shape[1], state.padding is None
         extra = self.bucket(batch) - batch
         if extra:
             state = DecoderState.stack([state, *[state.select(slice(0, 1))] * extra])
             input_ids = torch.cat([input_ids, input_ids[:1].expand(extra, -1)])
         elif unpadded:
             state = replace(state, padding=state.row_padding())
-        logits, after = self.verify_step(input_ids, state)
+        self.graph_calls += 1
+        logits, after = graph(input_ids, state)
         out = after.select(slice(0, batch)) if extra else after
         return logits[:batch * tokens], replace(out, padding=None) if unpadded else out
 
+    @_stepping
     def prefill_rows(self, input_ids: Tensor, state: DecoderState) -> tuple[Tensor, DecoderState]:
         """A chunk ``input_ids [B, T]`` as pieces of the bucket lengths (a 1-token piece is a decode step; a piece
         on a cache of exactly one position, after a 1-token first piece, runs eagerly like such a decode step)."""
@@ -326,41 +440,138 @@ class CompiledModel:
             part = input_ids[:, start:start + size]
             if size == 1:
                 logits, state = self.decode_rows(part, state)
+            elif cached(state) == 1 or (graph := self._graph(("prefill", size, cached(state, size)),
+                                                             self.prefill_step)) is None:
+                logits, state = self._eager(part, state)
             else:
-                logits, state = (self._eager if cached(state) == 1 else self.prefill_step)(part, state)
+                self.graph_calls += 1
+                logits, state = graph(part, state)
             start += size
         return logits, state
 
     @torch.no_grad()
     def _eager(self, input_ids: Tensor, state: DecoderState) -> tuple[Tensor, DecoderState]:
         """The step uncompiled: the function the graphs are traced from, run as it is."""
+        self.eager_calls += 1
         return self.decode_step._forward(input_ids, state)
+
+    def families(self, max_batch: int, max_model_len: int | None = None, verify_tokens: int = 0,
+                 prefill: bool = True) -> list[tuple]:
+        """The graphs serving with at most ``max_batch`` requests reaches, most used first: ``("decode", bucket,
+        side)`` for each decode bucket up to ``bucket(max_batch)``, ``("verify", bucket, verify_tokens, side)`` with
+        ``verify_tokens``, and ``("prefill", size, side)`` for each prefill piece (unless ``prefill`` is False: a
+        server whose drafter reads the target's features prefills eagerly); ``side`` is `cached`'s: 0 an empty
+        cache, 2 a cache, 3 one past `CASCADE_SUM` positions, built where a context of ``max_model_len`` tokens
+        (default: the model's) reaches that far."""
+        long = (max_model_len or self.model.config.context_length) > CASCADE_SUM
+        buckets = [b for b in self.batches if b <= self.bucket(max_batch)]
+        out: list[tuple] = []
+        for side in (2, 3) if long else (2,):
+            out += [("decode", b, side) for b in buckets]
+            out += [("verify", b, verify_tokens, side) for b in buckets if verify_tokens]
+            out += [("prefill", size, s) for size in self.sizes if prefill and size > 1
+                    for s in ((0, 2) if side == 2 else (3,))]
+        return out
 
     @torch.inference_mode()
     def warm_up(self, max_batch: int, max_model_len: int | None = None, verify_tokens: int = 0,
                 prefill: bool = True) -> float:
-        """Compile every graph that serving with at most ``max_batch`` requests reaches, before any request arrives
-        (vLLM's capture at start-up): each prefill piece on an empty cache and on a longer one (unless ``prefill``
-        is False: a server whose drafter reads the target's features prefills eagerly), each decode bucket up
-        to ``bucket(max_batch)`` on stacked rows (with ``verify_tokens``, each bucket's verification of that many
-        tokens too) — in inference mode, as the engine steps — and, where a context of ``max_model_len`` tokens
-        (default: the model's) passes `CASCADE_SUM` positions, the pieces and buckets again on a cache that long.
-        Returns the seconds taken; afterwards no traffic compiles."""
-        start = time.perf_counter()
-        contexts = [self._context(2)]
-        if (max_model_len or self.model.config.context_length) > CASCADE_SUM:
-            contexts.append(self._context(CASCADE_SUM))
-        for size in self.sizes if prefill else ():
-            if size > 1:
-                for context in [self._context(0), *contexts]:
-                    self.prefill_step(self._zeros(1, size), context)
-        for context in contexts:
-            for batch in self.batches:
-                if batch <= self.bucket(max_batch):
-                    self.decode(self._zeros(batch, 1), DecoderState.stack([context] * batch))
-                    if verify_tokens:
-                        self.verify(self._zeros(batch, verify_tokens), DecoderState.stack([context] * batch))
+        """Compile every graph of `families` before any request arrives (vLLM's capture at start-up), in inference
+        mode as the engine steps. Returns the seconds taken; afterwards no traffic compiles."""
+        start, contexts = time.perf_counter(), {}
+        for family in self.families(max_batch, max_model_len, verify_tokens, prefill):
+            self._build(family, contexts)
         return time.perf_counter() - start
+
+    def precompile(self, families: list[tuple]) -> float:
+        """Build the precompiled graph (`k3.model.precompiled`) of each of ``families`` now — loaded in seconds
+        where an earlier process saved it, else compiled and saved — and run those families on them; every other
+        call runs eagerly (``k3 generate --compile``). A model that cannot be precompiled (packed experts) gets its
+        traced graphs instead. Returns the seconds taken."""
+        start = time.perf_counter()
+        self._plan(families, upgrade=False)
+        with torch.inference_mode():
+            self._build_planned()
+        return time.perf_counter() - start
+
+    def compile_in_background(self, families: list[tuple], upgrade: bool = True) -> threading.Thread:
+        """Build the graphs of ``families`` (`families`) on a thread of their own while the steps run: a call of a
+        family not built yet runs eagerly (the function its graphs are traced from: the same tokens), then on its
+        graph. First each family's precompiled graph (as `precompile`); then, with ``upgrade``, the tuned decode and
+        verification graphs (frozen weights: ~2× faster, never saved), each replacing its precompiled one when
+        built. A model that cannot be precompiled (packed experts) gets the traced graphs only. The thread runs only
+        while no step has run for a moment (`k3.model.background.Gate`): the steps keep their speed and the graphs
+        take the idle time. `ready` maps each family to the step serving it; an error stops the compilation with a
+        warning (what is left runs as it is); `stop_background` parks it for good."""
+        self._plan(families, upgrade)
+        _BACKGROUND[0] += 1
+        threads = torch.get_num_threads()
+        self.background = self.gate.start(lambda: self._compile_all(threads), "k3-compile")
+        return self.background
+
+    def _plan(self, families: list[tuple], upgrade: bool) -> None:
+        """`planned`: each family's precompiled graph (where the model allows), then its traced one (all of them if
+        it does not; else, with ``upgrade``, the tuned decode and verification graphs)."""
+        if self.ready is not None:
+            raise RuntimeError("CompiledModel: graphs have already been planned")
+        if precompilable(self.model):
+            self.precompiled = {kind: CompiledStep(self.model, replayed=kind == "verify", gate=self.gate,
+                                                   precompiled=True) for kind in ("decode", "prefill", "verify")}
+        traced = [f for f in families if upgrade and f[0] != "prefill"] if self.precompiled else families
+        self.planned = [(f, "precompiled") for f in families if self.precompiled] + [(f, "traced") for f in traced]
+        self.ready = {}
+
+    def wait_background(self, timeout: float | None = None) -> bool:
+        """Wait (no step running) until the background compilation has ended; whether it has."""
+        if self.background is not None:
+            self.background.join(timeout)
+        return self.background is None or not self.background.is_alive()
+
+    def stop_background(self) -> None:
+        """Park the background compilation for good (the families not built run as they do)."""
+        self.gate.close()
+
+    @torch.inference_mode()
+    def _compile_all(self, threads: int) -> None:
+        """`compile_in_background`'s thread: `_build_planned`, stopped with a warning by an error."""
+        torch.set_num_threads(threads)  # the caller's count (part of every graph's key), not a new thread's default
+        try:
+            self._build_planned()
+        except Exception as err:  # the steps go on as they are for what is left
+            self.background_error = err
+            print(f"k3: background compilation stopped, what is left runs as it is: {err!r}", file=sys.stderr,
+                  flush=True)
+        finally:
+            _BACKGROUND[0] -= 1
+
+    def _build_planned(self) -> None:
+        """Build the `planned` graphs in order, switching each family to its graph once built."""
+        contexts: dict[int, DecoderState] = {}
+        for family, tier in self.planned[self.built:]:
+            step = (self.precompiled if tier == "precompiled" else self._steps())[family[0]]
+            self._build(family, contexts, step)
+            self.ready[family] = step
+            self.built += 1
+
+    def _build(self, family: tuple, contexts: dict[int, DecoderState], step: CompiledStep | None = None) -> None:
+        """Compile ``family``'s graph (on ``step``, default its traced one) on zero tokens after a context of its
+        side (made once, kept in ``contexts``)."""
+        kind, side = family[0], family[-1]
+        step = step or self._steps()[kind]
+        if side not in contexts:
+            contexts[side] = self._context({0: 0, 2: 2, 3: CASCADE_SUM}[side])
+        if kind == "prefill":
+            step(self._zeros(1, family[1]), contexts[side])
+            return
+        batch, tokens = family[1], 1 if kind == "decode" else family[2]
+        state = DecoderState.stack([contexts[side]] * batch)
+        step(self._zeros(batch, tokens), state if state.padding is not None else
+             replace(state, padding=state.row_padding()))
+
+    def _graph(self, family: tuple, traced: CompiledStep) -> CompiledStep | None:
+        """The step a call of ``family`` runs on: ``traced`` (compiled on first use), or while compiling in the
+        background the one built for it so far (None: not yet, eagerly)."""
+        return traced if self.ready is None else self.ready.get(family)
 
     def _zeros(self, batch: int, length: int) -> Tensor:
         """Token ids ``[batch, length]`` of zeros, on the model's device."""
@@ -370,6 +581,6 @@ class CompiledModel:
         """The state after ``length`` zero tokens, prefilled eagerly in chunks of ``chunk``."""
         state = self.model.new_state(1, next(self.model.parameters()).device)
         for start in range(0, length, chunk):
-            state = self._eager(self._zeros(1, min(chunk, length - start)), state)[1]
+            state = self.decode_step._forward(self._zeros(1, min(chunk, length - start)), state)[1]
         return state
 

@@ -10,6 +10,7 @@ copy the weights on every call, so `project` stacks only inside `fused()` and on
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -17,24 +18,25 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-_FUSED = [False]
+_FUSED = threading.local()  # per thread: a graph compiled in the background traces beside one that runs
 
 
 @contextmanager
 def fused(on: bool = True) -> Iterator[None]:
-    """Within: `project` traces one product on the stacked weights (for graphs whose weights are constants)."""
-    previous, _FUSED[0] = _FUSED[0], on
+    """Within (on this thread): `project` traces one product on the stacked weights (for graphs whose weights are
+    constants)."""
+    previous, _FUSED.on = getattr(_FUSED, "on", False), on
     try:
         yield
     finally:
-        _FUSED[0] = previous
+        _FUSED.on = previous
 
 
 def project(x: Tensor, *layers: nn.Module) -> list[Tensor]:
     """``[layer(x) for layer in layers]``, as one matmul on the stacked weights when tracing inside `fused` and
     every layer is a plain bias-free `nn.Linear` of one dtype (anything else runs module by module, its hooks
     included)."""
-    stack = (_FUSED[0] and torch.compiler.is_compiling() and len(layers) > 1
+    stack = (getattr(_FUSED, "on", False) and torch.compiler.is_compiling() and len(layers) > 1
              and all(_plain(layer) for layer in layers) and len({layer.weight.dtype for layer in layers}) == 1)
     if not stack:
         return [layer(x) for layer in layers]

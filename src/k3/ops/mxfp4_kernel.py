@@ -25,7 +25,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-__all__ = ["FLAGS", "available", "build", "gemv"]
+from k3.files import user_cache
+
+__all__ = ["FLAGS", "available", "build", "cpu_flags", "gemv"]
 
 _SOURCE = Path(__file__).with_name("mxfp4_gemv.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
@@ -33,7 +35,8 @@ _lock = threading.Lock()
 _library: list[ctypes.CDLL | None] = []  # empty until the first build attempt, then [the library or None]
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
+    """This CPU's feature flags (``/proc/cpuinfo``), what code built for it depends on."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
@@ -48,10 +51,10 @@ def build(flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL | None:
     if compiler is None:
         return None
     source = _SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), _cpu_flags().encode(),
+    key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), cpu_flags().encode(),
                                       compiler.encode()])).hexdigest()[:16]
     try:
-        cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "k3" / "kernels"
+        cache = user_cache("kernels")
         target = cache / f"mxfp4_gemv-{key}.so"
         if not target.is_file():
             cache.mkdir(parents=True, exist_ok=True)

@@ -87,8 +87,9 @@ class EngineOptions:
                             "of as many as each request's measured acceptance pays for (down to none)")
         parser.add_argument("--compile", action="store_true", help="decode and prefill-chunk steps through "
                             "torch.compile'd graphs: decode batches padded to 1, 2, 4 … 32 rows, chunks cut into "
-                            "64/16/4/1-token pieces (one compilation each: k3 serve builds them all before it "
-                            "listens, for batches up to --max-batch; k3 chat on first use)")
+                            "64/16/4/1-token pieces (one compilation each, kept in inductor's on-disk cache: k3 serve "
+                            "builds them all in the background while it serves eagerly, for batches up to "
+                            "--max-batch; k3 chat on first use)")
         parser.add_argument("--grammar-cache-mb", type=positive(float, zero=True), default=cls.grammar_cache_mb,
                             help="MiB of compiled structured-output grammars kept for reuse (default %(default)s)")
         cache = parser.add_argument_group("prefix cache (README, 'Prefix cache')")
@@ -117,9 +118,9 @@ class EngineOptions:
     @staticmethod
     def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
         """``k3 generate --compile`` (no engine: `k3.generation.stream` through a `CompiledModel`)."""
-        parser.add_argument("--compile", action="store_true", help="prefill and decode through torch.compile'd "
-                            "graphs (inductor; the prompt in pieces of 64/16/4/1 tokens; ~45 s per new graph, "
-                            "kernels cached on disk)")
+        parser.add_argument("--compile", action="store_true", help="decode through a torch.compile'd graph "
+                            "(inductor), built in the background while the first tokens decode eagerly (~1 min for "
+                            "a new graph; kept in the on-disk cache, ~/.cache/k3/inductor)")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> EngineOptions:

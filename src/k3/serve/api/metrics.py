@@ -39,6 +39,17 @@ class _EngineCollector(Collector):
                                       value=e.compiled.compilations)
             yield CounterMetricFamily("k3_compile_seconds", "Seconds the latest compilation of each shape key took",
                                       value=sum(e.compiled.compile_seconds.values()))
+            yield CounterMetricFamily("k3_compiled_graphs_cached", "Of the graphs compiled, those loaded from "
+                                      "inductor's on-disk cache", value=e.compiled.cache_hits)
+            if e.compiled.ready is not None:  # compiling in the background: steps of families not ready run eagerly
+                yield GaugeMetricFamily("k3_compile_graphs_built", "Graphs the background compilation has built",
+                                        value=e.compiled.built)
+                yield GaugeMetricFamily("k3_compile_graphs_planned", "Graphs the background compilation builds",
+                                        value=len(e.compiled.planned))
+            yield CounterMetricFamily("k3_compiled_steps", "Model steps run on compiled graphs",
+                                      value=e.compiled.graph_calls)
+            yield CounterMetricFamily("k3_eager_steps", "Model steps of a compiled engine run eagerly (no graph for "
+                                      "them, or not built yet)", value=e.compiled.eager_calls)
         cache = e.prefix_cache
         if cache is None:
             return

@@ -126,19 +126,27 @@ class Engine:
     def prefix_cache(self) -> PrefixCache | None:
         return self.scheduler.prefix_cache
 
-    def warm_up(self) -> float:
-        """Build every compiled graph serving reaches before the first request (`CompiledModel.warm_up`): decode
-        buckets and prefill pieces, with a drafter the ``γ + 1``-token verification per bucket and the drafter's
-        own graphs (`Drafter.warm_up`) — keeping the target features a drafter reads, as serving does. Returns the
-        seconds taken (0 without ``compile``)."""
+    def warm_up(self, background: bool = False) -> float:
+        """Build every compiled graph serving reaches (`CompiledModel.families`): decode buckets and prefill pieces,
+        with a drafter the ``γ + 1``-token verification per bucket and the drafter's own graphs (`Drafter.warm_up`)
+        — keeping the target features a drafter reads, as serving does. With ``background`` the target's graphs are
+        built on a thread of their own while the engine serves (`CompiledModel.compile_in_background`: a step of a
+        family not built yet runs eagerly), unless a drafter reads the target's features (their capture is a switch
+        on the model's modules, shared with the steps): then everything is built first. Returns the seconds this
+        call took (0 without ``compile``)."""
         if self.compiled is None:
             return 0.0
         start = time.perf_counter()
         if self.speculator.drafter is not None:
             self.speculator.drafter.warm_up(self.speculator.gamma)
         layers = self.speculator.feature_layers
-        with self.model.capture(list(layers), self.speculator.feature_source) if layers else contextlib.nullcontext():
-            self.compiled.warm_up(self.max_batch, self.max_model_len, self.runner.verify_width or 0, prefill=not layers)
+        verify = self.runner.verify_width or 0
+        if background and not layers:
+            self.compiled.compile_in_background(self.compiled.families(self.max_batch, self.max_model_len, verify))
+        else:
+            with self.model.capture(list(layers), self.speculator.feature_source) if layers else \
+                    contextlib.nullcontext():
+                self.compiled.warm_up(self.max_batch, self.max_model_len, verify, prefill=not layers)
         return time.perf_counter() - start
 
     @property
@@ -206,7 +214,7 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> None:
         """Schedule, run one model pass, sample, and report every request's outputs (module docstring)."""
-        with self._step_lock:
+        with self._step_lock, self.compiled.gate.busy() if self.compiled else contextlib.nullcontext():
             self._abort_cancelled()
             plan, start = self.scheduler.schedule(), time.perf_counter()
             for forward in self._passes(plan):
@@ -299,6 +307,8 @@ class Engine:
         return self
 
     def stop(self) -> None:
+        if self.compiled is not None:
+            self.compiled.stop_background()
         with self._wake:
             self._stopping = True
             self._wake.notify()

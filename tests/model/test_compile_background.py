@@ -1,0 +1,172 @@
+"""Compilation that never blocks users (issue 37): graphs built on a background thread while the engine serves
+eagerly (`CompiledModel.compile_in_background`, `k3.model.background.Gate`), and inductor's on-disk cache kept across
+processes (`k3.model.compiled.persistent_cache`)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import torch
+
+import serving
+from k3.model.background import QUIET, Gate
+from k3.model.compiled import CompiledModel
+from k3.serve.engine import Engine, SamplingParams
+
+
+def _run(engine: Engine, prompts: list[list[int]], steps_before: int = 0, between=None) -> list[list[int]]:
+    """Greedy tokens of ``prompts`` (all queued at once) stepped inline; ``between()`` runs after ``steps_before``
+    steps, with no step running."""
+    tokens: dict[int, list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        engine.add_request(prompt, SamplingParams(max_tokens=8 + 3 * i, temperature=0),
+                           callback=lambda o, i=i: tokens.setdefault(i, []).extend(o.token_ids))
+    done = 0
+    while engine.has_work():
+        engine.step()
+        done += 1
+        if done == steps_before and between is not None:
+            between()
+    return [tokens[i] for i in range(len(prompts))]
+
+
+def test_requests_served_while_graphs_compile_get_eager_tokens_and_switch_to_the_graphs_mid_request(
+        tok, tmp_path, monkeypatch):
+    """Requests run eagerly while nothing is built, then (the compilation finished between two steps) on the
+    graphs from their next step on — the precompiled ones, then the tuned decode graph that replaces its
+    precompiled one; every request's tokens equal the eager engine's, and no graph is built after the background
+    compilation (a step never compiles beside it)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # precompiled graphs compiled here, not loaded
+    model = serving.model()
+    prompts = [p for p in serving.prompts() if len(p) > 4][:3]
+    eager = _run(Engine(model, tok, max_batch=1, prefill_chunk=16), prompts)
+
+    compiled = CompiledModel(model, batches=(1,), sizes=(4, 1))
+    engine = Engine(model, tok, max_batch=1, prefill_chunk=16, compile=compiled)
+    engine.warm_up(background=True)
+    families = [("decode", 1, 2), ("prefill", 4, 0), ("prefill", 4, 2)]
+    assert compiled.planned == [(f, "precompiled") for f in families] + [(("decode", 1, 2), "traced")]
+    seen: dict[str, int] = {}
+
+    def finish_compiling() -> None:
+        seen.update(eager_steps=compiled.eager_calls, graph_steps=compiled.graph_calls)
+        assert compiled.wait_background(timeout=900)
+
+    assert _run(engine, prompts, steps_before=4, between=finish_compiling) == eager
+    assert compiled.background_error is None and compiled.built == len(compiled.planned)
+    assert compiled.ready == {families[0]: compiled.decode_step, families[1]: compiled.precompiled["prefill"],
+                              families[2]: compiled.precompiled["prefill"]}
+    assert seen["eager_steps"] > 0 and compiled.graph_calls > seen["graph_steps"]  # switched mid-request
+    assert len(list((tmp_path / "k3" / "graphs").rglob("*.pt2"))) == 3
+    built = compiled.compilations
+    assert _run(engine, prompts) == eager and compiled.compilations == built
+
+
+def test_a_step_outside_the_planned_families_runs_eagerly_beside_a_background_compilation(tok):
+    """A step whose graph is not built runs eagerly while the background thread compiles, even where its family
+    claims a graph (a key the plan did not foresee): a step never compiles beside the background thread."""
+    model = serving.model()
+    compiled = CompiledModel(model, batches=(1,), sizes=(4, 1), tuned=False)
+    prompt = torch.tensor([serving.prompts()[2][:9]])
+    with torch.inference_mode():
+        expected, _ = model(prompt, state=model.new_state(1))
+    compiled.compile_in_background([("decode", 1, 2)], upgrade=False)
+    try:
+        compiled.ready[("prefill", 4, 0)] = compiled.prefill_step  # claimed ready, yet not built: a cold key
+        with torch.inference_mode():
+            logits, _ = compiled.step(prompt, model.new_state(1))
+        torch.testing.assert_close(logits, expected[:, -1], atol=1e-4, rtol=0)
+        assert compiled.prefill_step.compilations == 0
+    finally:
+        compiled.wait_background(timeout=900)
+
+
+def test_the_gate_parks_the_background_thread_during_steps_but_never_inside_an_import(tmp_path, monkeypatch):
+    """While a step runs the background thread does not advance; between steps it does. An import it is running
+    is finished even during a step: the step may need the same module (its lock), which parking would deadlock."""
+    gate, count, stop = Gate(), [0], threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            _tick(count)
+
+    gate.start(spin, "spin")
+    try:
+        _advances(count, True)
+        with gate.busy():
+            time.sleep(0.05)  # the thread reaches its next call and parks
+            _advances(count, False)
+        _advances(count, False, QUIET / 2)  # nor right after a step
+        _advances(count, True, 4 * QUIET)
+    finally:
+        stop.set()
+        gate.close()
+
+    (tmp_path / "slow_module.py").write_text(textwrap.dedent("""
+        import time
+        import gate_probe
+        gate_probe.entered.set()
+        def part():
+            time.sleep(0.02)
+        for _ in range(10):
+            part()
+        """))
+    probe = type(sys)("gate_probe")
+    probe.entered = threading.Event()
+    monkeypatch.setitem(sys.modules, "gate_probe", probe)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    gate = Gate()
+    gate.start(lambda: __import__("slow_module"), "importer")
+    assert probe.entered.wait(30)
+    imported = threading.Event()
+    with gate.busy():  # the background thread is inside the module's body, which calls functions
+        importer = threading.Thread(target=lambda: (__import__("slow_module"), imported.set()), daemon=True)
+        importer.start()
+        assert imported.wait(30), "an import parked by the gate deadlocked a step that needed the same module"
+    gate.close()
+    monkeypatch.delitem(sys.modules, "slow_module")
+
+
+def _tick(count: list[int]) -> None:
+    count[0] += 1
+
+
+def _advances(count: list[int], expected: bool, seconds: float = 0.05) -> None:
+    before = count[0]
+    time.sleep(seconds)
+    assert (count[0] > before) == expected
+
+
+def test_a_second_process_loads_every_graph_from_the_on_disk_caches(tmp_path):
+    """With no cache directory set, inductor's cache lies under ``$XDG_CACHE_HOME/k3/inductor`` and precompiled
+    graphs under ``…/k3/graphs``; a second process that builds the same graphs compiles none of them anew: the
+    traced ones are inductor cache hits, the precompiled ones are loaded — and give the first process's logits."""
+    script = textwrap.dedent("""
+        import torch, serving
+        from k3.model.compiled import CompiledModel
+        model = serving.model()
+        traced = CompiledModel(model, batches=(1,), sizes=(4, 1), tuned=False)
+        traced.warm_up(max_batch=1)
+        compiled = CompiledModel(model, batches=(1,), sizes=(4, 1))
+        compiled.precompile(compiled.families(1, prefill=True))
+        with torch.inference_mode():
+            logits, _ = compiled.step(torch.tensor([serving.prompts()[5][:13]]), model.new_state(1))
+        print("traced", traced.compilations, traced.cache_hits, "precompiled", compiled.compilations,
+              compiled.cache_hits, "logits", logits.sum().item())
+        """)
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    env["XDG_CACHE_HOME"] = str(tmp_path)
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(serving.__file__), env.get("PYTHONPATH", "")])
+    runs = [subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=900, env=env)
+            for _ in range(2)]
+    assert all(r.returncode == 0 for r in runs), runs[-1].stderr[-3000:]
+    first, second = (r.stdout.split() for r in runs)
+    assert first[1:3] == ["3", "0"] and second[1:3] == ["3", "3"]  # the decode step, the 4-piece on 2 sides
+    assert first[4:6] == ["3", "0"] and second[4:6] == ["3", "3"]
+    assert first[-1] == second[-1]  # the same graphs: the same logits, bit for bit
+    assert (tmp_path / "k3" / "inductor").is_dir() and len(list((tmp_path / "k3" / "graphs").rglob("*.pt2"))) == 3
