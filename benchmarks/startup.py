@@ -60,7 +60,7 @@ def row(ckpt: Path, name: str, flags: list[str], cache: Path, prompt: list[int],
     with server as url:
         listening = time.perf_counter() - start
         rates, ready_at, first = [], None, None
-        while time.perf_counter() - start < seconds:
+        while first is None or time.perf_counter() - start < seconds:  # at least one request
             result = stream_one(url, prompt, MAX_TOKENS)
             arrivals = result["arrivals"]
             first = first if first is not None else arrivals[0] - start
@@ -105,7 +105,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=900, help="longest a row runs (default %(default)s)")
     parser.add_argument("--think", type=float, default=1.0, help="pause between a client's requests")
+    parser.add_argument("--only", choices=("serve", "generate"), help="one half of the run")
     args = parser.parse_args()
+    rows: list[dict] = []
+    runs: list[dict] = []
     with tempfile.TemporaryDirectory() as work:
         work = Path(work)
         tokenizer = Tokenizer.train([d.text for d in stdlib_documents(2 * 2**20)], 4096)
@@ -113,13 +116,14 @@ def main() -> None:
         ckpt = save_model(work / "small", K3ForCausalLM(preset("small")), tokenizer)
         prompt = tokenizer.encode("def parse(text):\n    " * 8)[:40]
         caches = {"cold": work / "cache", "none": work / "unused"}
-        rows = [row(ckpt, "eager", [], caches["none"], prompt, 60, args.think)]
-        rows.append(row(ckpt, "--compile, cold", ["--compile"], caches["cold"], prompt, args.seconds, args.think))
-        rows.append(row(ckpt, "--compile, warm", ["--compile"], caches["cold"], prompt, args.seconds, args.think))
-        rows.append(row(ckpt, "--compile --compile-wait, warm", ["--compile", "--compile-wait"], caches["cold"],
-                        prompt, 60, args.think))
-        runs = []
-        for model_name, config in (("small", preset("small")), ("d=1024", wide())):
+        for name, flags, cache, seconds in (
+                ("eager", [], caches["none"], 60), ("--compile, cold", ["--compile"], caches["cold"], args.seconds),
+                ("--compile, warm", ["--compile"], caches["cold"], args.seconds),
+                ("--compile --compile-wait, warm", ["--compile", "--compile-wait"], caches["cold"], 60)):
+            if args.only != "generate":
+                rows.append(row(ckpt, name, flags, cache, prompt, seconds, args.think))
+                print(rows[-1], flush=True)
+        for model_name, config in (("small", preset("small")), ("d=1024", wide())) if args.only != "serve" else ():
             torch.manual_seed(0)
             path = save_model(work / model_name, K3ForCausalLM(config), tokenizer)
             xdg = work / f"xdg-{model_name}"
@@ -129,6 +133,7 @@ def main() -> None:
                 r.update(model=model_name, speedup=round(rows_here[0]["seconds"] / r["seconds"], 2),
                          same_text=r.pop("text") == rows_here[0]["text"])
             runs += rows_here
+            print(rows_here, flush=True)
     columns = [("server", "server"), ("listening_s", "listening s"), ("first_token_s", "first token s"),
                ("first_tokens_per_s", "tok/s, 1st request"), ("last_tokens_per_s", "tok/s, last 3"),
                ("all_graphs_ready_s", "all graphs ready s"), ("graphs_compiled", "graphs"),

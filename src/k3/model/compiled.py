@@ -200,7 +200,7 @@ class CompiledStep:
                               _optional(state.padding))
         start = time.perf_counter()
         run = self._run_precompiled if self.precompiled else self._run_traced
-        logits, after = run(key, cold, _canonical(input_ids), inputs)
+        logits, after = run(key, _canonical(input_ids), inputs)
         self._warm.add(key)
         if self.compilations > built:
             self.compile_seconds[shape] = time.perf_counter() - start
@@ -210,12 +210,11 @@ class CompiledStep:
         replay = None if after.replay is None else replace(after.replay, before=state)  # the caller's own state
         return logits, replace(after, layers=layers, position=state.position + tokens, replay=replay)
 
-    def _run_traced(self, key: tuple, cold: bool, input_ids: Tensor, inputs: DecoderState
-                    ) -> tuple[Tensor, DecoderState]:
-        """The graph of ``key`` through dynamo (compiled first when ``cold``). Frozen weights: the products of one
+    def _run_traced(self, key: tuple, input_ids: Tensor, inputs: DecoderState) -> tuple[Tensor, DecoderState]:
+        """The graph of ``key`` through dynamo (compiled first if new). Frozen weights: the products of one
         input run as one (`k3.model.projections`); the token count is bookkeeping outside the graph (a Python int
         the graph would specialise on)."""
-        if cold:
+        if key not in self._warm:
             stance = _compiling(self._options())
         elif _BACKGROUND[0]:  # the stance is global: while another thread compiles, every guard is checked
             stance = contextlib.nullcontext()
@@ -224,8 +223,7 @@ class CompiledStep:
         with stance, fused(self.tuned):
             return self._compiled(input_ids, inputs)
 
-    def _run_precompiled(self, key: tuple, cold: bool, input_ids: Tensor, inputs: DecoderState
-                         ) -> tuple[Tensor, DecoderState]:
+    def _run_precompiled(self, key: tuple, input_ids: Tensor, inputs: DecoderState) -> tuple[Tensor, DecoderState]:
         """The precompiled graph of ``key``: loaded from its file, else compiled and saved (`GraphFiles`)."""
         graph = self._graphs.get(key)
         if graph is None:
