@@ -129,9 +129,10 @@ def main() -> None:
             xdg = work / f"xdg-{model_name}"
             rows_here = [generate(path, "eager", [], xdg), generate(path, "--compile, cold", ["--compile"], xdg),
                          generate(path, "--compile, warm", ["--compile"], xdg)]
+            eager_text = rows_here[0]["text"]
             for r in rows_here:
                 r.update(model=model_name, speedup=round(rows_here[0]["seconds"] / r["seconds"], 2),
-                         same_text=r.pop("text") == rows_here[0]["text"])
+                         same_text=r.pop("text") == eager_text)
             runs += rows_here
             print(rows_here, flush=True)
     columns = [("server", "server"), ("listening_s", "listening s"), ("first_token_s", "first token s"),
