@@ -114,12 +114,13 @@ class CompiledStep:
     of every position ``[B·T, V]`` and a state whose `Replay` rolls back to any prefix of the run."""
 
     def __init__(self, model: K3ForCausalLM, tuned: bool = False, replayed: bool = False,
-                 gate: Gate | None = None, precompiled: bool = False) -> None:
-        if precompiled and (tuned or not precompilable(model)):
+                 gate: Gate | None = None, files: GraphFiles | None = None) -> None:
+        """``files``: the step is precompiled (`k3.model.precompiled`), its graphs loaded from and saved to them."""
+        if files is not None and (tuned or not precompilable(model)):
             raise ValueError("precompiled: graphs whose weights are inputs (not tuned), of a model without packed "
                              "experts")
         self.model, self.tuned, self.replayed, self.gate = model, tuned, replayed, gate
-        self.precompiled = precompiled
+        self.precompiled, self._files = files is not None, files
         persistent_cache()
         _eager_packed_dispatch()
         self.compilations = 0
@@ -129,7 +130,6 @@ class CompiledStep:
         self._registrations, self._tensors = -1, []
         self._weights = self._weights_version()
         self._graphs: dict[tuple, Callable] = {}  # precompiled: the graph of each shape key
-        self._files = GraphFiles(model) if precompiled else None
         self._compiled = torch.compile(self._forward, backend=self._backend, dynamic=False)
         # one code object holds every instance's graphs: dynamo's default of 8 would fall back to eager
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
@@ -513,8 +513,9 @@ class CompiledModel:
         if self.ready is not None:
             raise RuntimeError("CompiledModel: graphs have already been planned")
         if precompilable(self.model):
-            self.precompiled = {kind: CompiledStep(self.model, replayed=kind == "verify", gate=self.gate,
-                                                   precompiled=True) for kind in ("decode", "prefill", "verify")}
+            files = GraphFiles(self.model)  # one layout digest for the three steps
+            self.precompiled = {kind: CompiledStep(self.model, replayed=kind == "verify", gate=self.gate, files=files)
+                                for kind in ("decode", "prefill", "verify")}
         traced = [f for f in families if upgrade and f[0] != "prefill"] if self.precompiled else families
         self.planned = [(f, "precompiled") for f in families if self.precompiled] + [(f, "traced") for f in traced]
         self.ready = {}
