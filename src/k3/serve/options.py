@@ -118,9 +118,9 @@ class EngineOptions:
     @staticmethod
     def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
         """``k3 generate --compile`` (no engine: `k3.generation.stream` through a `CompiledModel`)."""
-        parser.add_argument("--compile", action="store_true", help="decode through a torch.compile'd graph "
-                            "(inductor), built in the background while the first tokens decode eagerly (~1 min for "
-                            "a new graph; kept in the on-disk cache, ~/.cache/k3/inductor)")
+        parser.add_argument("--compile", action="store_true", help="decode through a precompiled torch.compile "
+                            "graph, loaded from ~/.cache/k3/graphs before the first token (~1 min to compile and save "
+                            "it on a first run)")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> EngineOptions:

@@ -39,8 +39,9 @@ class _EngineCollector(Collector):
                                       value=e.compiled.compilations)
             yield CounterMetricFamily("k3_compile_seconds", "Seconds the latest compilation of each shape key took",
                                       value=sum(e.compiled.compile_seconds.values()))
-            yield CounterMetricFamily("k3_compiled_graphs_cached", "Of the graphs compiled, those loaded from "
-                                      "inductor's on-disk cache", value=e.compiled.cache_hits)
+            yield CounterMetricFamily("k3_compiled_graphs_cached", "Of the graphs compiled, those loaded from an "
+                                      "on-disk cache (inductor's, or saved precompiled graphs)",
+                                      value=e.compiled.cache_hits)
             if e.compiled.ready is not None:  # compiling in the background: steps of families not ready run eagerly
                 yield GaugeMetricFamily("k3_compile_graphs_built", "Graphs the background compilation has built",
                                         value=e.compiled.built)
