@@ -69,8 +69,8 @@ def stream(model: K3ForCausalLM, prompt: list[int], max_tokens: int, temperature
         def step(input_ids: Tensor, state: DecoderState) -> tuple[Tensor, DecoderState]:
             logits, state = model(input_ids, state=state)
             return logits[:, -1], state
-    generator = None if seed is None else torch.Generator().manual_seed(seed)
-    logits, state = step(torch.tensor([prompt]), model.new_state(1))
+    generator = None if seed is None else torch.Generator(device=model.device).manual_seed(seed)
+    logits, state = step(torch.tensor([prompt], device=model.device), model.new_state(1))
     for _ in range(max_tokens):
         token = sample_next(logits, temperature, top_p, top_k, generator)
         if int(token) in stop_ids:

@@ -10,6 +10,7 @@ Without a state (training) nothing is cached and the returned state is None.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 from collections.abc import Iterator
 
@@ -122,10 +123,15 @@ class K3ForCausalLM(nn.Module):
         """Write the release layout (`k3.model.pretrained.save_pretrained`); returns the shard paths."""
         return save_pretrained(self, directory, max_shard_bytes)
 
+    @property
+    def device(self) -> torch.device:
+        """Where the model's weights are: the device of every tensor made for it (inputs, states, masks)."""
+        return self.embed_tokens.weight.device
+
     def new_state(self, batch_size: int, device: torch.device | str | None = None,
                   dtype: torch.dtype | None = None) -> DecoderState:
         """An empty state (no tokens consumed) for ``batch_size`` sequences."""
-        device = device if device is not None else self.embed_tokens.weight.device
+        device = device if device is not None else self.device
         dtype = dtype or self.embed_tokens.weight.dtype
         return DecoderState([layer.mixer.new_state(batch_size, device=device, dtype=dtype) for layer in self.layers])
 
@@ -270,8 +276,9 @@ class K3ForCausalLM(nn.Module):
             depth = layer.feed_forward(depth, torch.cat(outputs, dim=1))
         full = full or [False] * len(groups)
         starts = [0, *itertools.accumulate(sizes)][:-1]  # flat index of each group's first token
-        last = [start + T - 1 + T * torch.arange(B) for start, (B, T) in zip(starts, shapes)]  # each row's last token
-        wanted = [torch.arange(start, start + B * T) if f else rows for start, (B, T), f, rows in
+        arange = functools.partial(torch.arange, device=self.device)
+        last = [start + T - 1 + T * arange(B) for start, (B, T) in zip(starts, shapes)]  # each row's last token
+        wanted = [arange(start, start + B * T) if f else rows for start, (B, T), f, rows in
                   zip(starts, shapes, full, last)]
         logits = self._logits(depth, torch.cat(wanted))
         stacked = depth.stacked()  # [S, 1, N, d]

@@ -83,6 +83,12 @@ class DecoderState:
         first = self.layers[0]
         return (first.conv if isinstance(first, KDAState) else first.latent).shape[0]
 
+    @property
+    def device(self) -> torch.device:
+        """Where the state's tensors are (those of its model)."""
+        first = self.layers[0]
+        return (first.conv if isinstance(first, KDAState) else first.latent).device
+
     def apply(self, fn) -> DecoderState:
         """A new state with ``fn`` applied to every tensor (a pending `Replay` included)."""
         def opt(t: Tensor | None) -> Tensor | None:
@@ -172,7 +178,7 @@ class DecoderState:
         """``[B]`` leading padded positions per row (zeros when unpadded)."""
         if self.padding is not None:
             return self.padding
-        return torch.zeros(self.batch_size, dtype=torch.long)
+        return torch.zeros(self.batch_size, dtype=torch.long, device=self.device)
 
     # ------------------------------------------------------------------ serialisation
     def tensors(self) -> dict[str, Tensor]:

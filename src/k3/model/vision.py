@@ -24,6 +24,8 @@ image (``t = 1``) the two differ only in the temporal blocks, where each patch a
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -57,19 +59,20 @@ def visual_token_count(grid: Grid, merge: int = 2) -> int:
     return (h // merge) * (w // merge)
 
 
-def time_embedding(frames: int, width: int) -> Tensor:
+def time_embedding(frames: int, width: int, device: torch.device | None = None) -> Tensor:
     """``[frames, width]`` fp64: row t is ``[sin(t·ω) | cos(t·ω)]`` with ``ω_j = 10000^(−j/(width/2))``."""
-    omega = 1.0 / 10000 ** (torch.arange(width // 2, dtype=torch.float64) / (width // 2))
-    angle = torch.arange(frames, dtype=torch.float64)[:, None] * omega
+    arange = functools.partial(torch.arange, dtype=torch.float64, device=device)
+    omega = 1.0 / 10000 ** (arange(width // 2) / (width // 2))
+    angle = arange(frames)[:, None] * omega
     return torch.cat([angle.sin(), angle.cos()], dim=-1)
 
 
-def rope_angles(grid: Grid, head_dim: int, theta: float) -> Tensor:
+def rope_angles(grid: Grid, head_dim: int, theta: float, device: torch.device | None = None) -> Tensor:
     """``[t·h·w, head_dim/2]`` fp64 rotation angles of a grid's patches: pair 2i by column·f_i, 2i+1 by row·f_i."""
     t, h, w = grid
-    freqs = theta ** (-4 * torch.arange(head_dim // 4, dtype=torch.float64) / head_dim)
-    row, col = torch.meshgrid(torch.arange(h, dtype=torch.float64), torch.arange(w, dtype=torch.float64),
-                              indexing="ij")
+    arange = functools.partial(torch.arange, dtype=torch.float64, device=device)
+    freqs = theta ** (-4 * arange(head_dim // 4) / head_dim)
+    row, col = torch.meshgrid(arange(h), arange(w), indexing="ij")
     angles = torch.stack([col.reshape(-1, 1) * freqs, row.reshape(-1, 1) * freqs], dim=-1).flatten(1)
     return angles.repeat(t, 1)
 
@@ -115,7 +118,7 @@ class PatchEmbed(nn.Module):
         table = self.proj.weight.new_zeros(h * w, width) if self.pos_emb is None else self.pos_emb(h, w)
         table = table.repeat(t, 1)
         if t > 1:
-            time = time_embedding(t, width).to(table.device)
+            time = time_embedding(t, width, table.device)
             table = table + time.repeat_interleave(h * w, dim=0).to(table.dtype)
         return table
 
@@ -200,7 +203,7 @@ class MoonViT(nn.Module):
             raise ValueError(f"pixel_values: expected a float tensor [{total}, {width}] (the grids' patches), got "
                              f"{pixel_values.dtype} {list(pixel_values.shape)}")
         x = self.patch_embed(pixel_values, grids)
-        angles = torch.cat([rope_angles(g, v.qkv_head_dim, v.rope_theta) for g in grids]).to(x.device)
+        angles = torch.cat([rope_angles(g, v.qkv_head_dim, v.rope_theta, x.device) for g in grids])
         for block in self.encoder.blocks:
             x = block(x, grids, angles)
         return self.encoder.final_layernorm(x)

@@ -178,7 +178,7 @@ class Engine:
         for i, (prompt, params, processor, callback) in enumerate(jobs):
             request_id = request_ids[i] if request_ids else f"req-{next(self._ids)}"
             request = new_request(prompt, params, processor, callback, request_id, group or request_id,
-                                  self.tokenizer, self.model.config.vocab_size, self.max_model_len)
+                                  self.tokenizer, self.model.config.vocab_size, self.max_model_len, self.model.device)
             if images:
                 check_prompt(self.model, prompt, images)
                 request.images, request.image_key = images, key

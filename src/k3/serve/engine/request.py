@@ -141,9 +141,10 @@ class Request:
 
 def new_request(prompt: list[int], params: SamplingParams, processor: Processor | None,
                 callback: Callable[[Output], None] | None, request_id: str, group: str, tokenizer: Tokenizer,
-                vocab_size: int, max_model_len: int) -> Request:
+                vocab_size: int, max_model_len: int, device: torch.device | None = None) -> Request:
     """A checked `Request`: a non-empty prompt of ids in ``[0, vocab_size)``, valid parameters, and room for
-    ``max_tokens`` in the context (`ContextLengthExceeded`); otherwise a ValueError naming the field."""
+    ``max_tokens`` in the context (`ContextLengthExceeded`); otherwise a ValueError naming the field. A sampling
+    request's generator is on ``device`` (the model's): a seed gives the same tokens on the same kind of device."""
     if not isinstance(prompt, list) or not prompt:
         raise ValueError("prompt: expected a non-empty list of token ids")
     if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in prompt):
@@ -153,7 +154,7 @@ def new_request(prompt: list[int], params: SamplingParams, processor: Processor 
         raise ContextLengthExceeded(len(prompt), params.max_tokens, max_model_len)
     generator = None
     if params.temperature > 0:
-        generator = torch.Generator()
+        generator = torch.Generator(device=device)  # on the model's device, where the sampled rows are
         generator.manual_seed(params.seed % 2**64) if params.seed is not None else generator.seed()
     return Request(request_id, group, list(prompt), params, processor or TextProcessor(tokenizer),
                    callback or (lambda _: None), generator,

@@ -16,6 +16,7 @@ the states they continue from, are the very ones it was made from.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -79,7 +80,8 @@ class Runner:
         verifying = list(drafts.items())
         decoding = [r for r in plan.decoding if r not in drafts]
         self._encode_images([request for request, _ in plan.pieces])
-        groups = [(torch.tensor([piece]) if r.embeds is None else r.embeds[r.prefilled:r.prefilled + len(piece)][None],
+        ids = functools.partial(torch.tensor, device=self.model.device)
+        groups = [(ids([piece]) if r.embeds is None else r.embeds[r.prefilled:r.prefilled + len(piece)][None],
                    r.state) for r, piece in plan.pieces]
         full = [r.prompt_logprobs is not None for r, _ in plan.pieces]
         replay = [False] * len(plan.pieces)
@@ -87,12 +89,12 @@ class Runner:
         runs = [[r.pending, *d.tokens] for r, d in verifying]
         if verifying:
             rows = _right_padded(runs, self.verify_width)
-            groups.append((torch.tensor(rows), _verify_state([r for r, _ in verifying])))
+            groups.append((ids(rows), _verify_state([r for r, _ in verifying])))
             full.append(True)
             replay.append(True)
             consumed += rows
         if decoding:
-            groups.append((torch.tensor([[r.pending] for r in decoding]), self._stacked(decoding)))
+            groups.append((ids([[r.pending] for r in decoding]), self._stacked(decoding)))
             full.append(False)
             replay.append(False)
             consumed += [[r.pending] for r in decoding]
