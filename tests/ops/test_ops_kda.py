@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -389,3 +390,20 @@ def test_gates_match_fla():
     torch.testing.assert_close(kda.softplus_decay(z, A_log, dt), gates.naive_kda_gate(z, A_log, dt))
     torch.testing.assert_close(kda.bounded_decay(z, A_log, dt, g_min=-5.0),
                                gates.naive_kda_lowerbound_gate(z, A_log, dt, lower_bound=-5.0))
+
+
+@pytest.mark.parametrize("dtype,tolerance", [(torch.bfloat16, 3e-2), (torch.float16, 3e-3)])
+def test_chunked_under_autocast_matches_fp32(dtype, tolerance):
+    """Training under autocast (bf16 by default on CUDA) makes the chunk products half precision; the flush threshold
+    must know those dtypes (before: a KeyError on the first bf16 product) and the result stay near fp32's."""
+    torch.manual_seed(0)
+    B, T, H, K = 1, 128, 2, 32
+    q, k = (F.normalize(torch.randn(B, T, H, K), dim=-1) for _ in range(2))
+    v = torch.randn(B, T, H, K, requires_grad=True)
+    g, beta = -F.softplus(torch.randn(B, T, H, K)) * 0.1, torch.sigmoid(torch.randn(B, T, H))
+    reference = kda.recurrent(q.double(), k.double(), v.double(), g.double(), beta.double())[0]
+    with torch.autocast("cpu", dtype=dtype):
+        out = kda.chunked(q, k, v, g, beta)[0]
+    out.float().sum().backward()
+    assert torch.isfinite(v.grad).all()
+    assert (out.double() - reference).abs().max() <= tolerance * reference.abs().max()

@@ -166,8 +166,10 @@ _MAX_EXPONENT = {torch.float32: 80.0, torch.float64: 700.0}
 _CHUNK_HEADS_PER_BLOCK = 32  # chunks·heads whose intermediates are computed at once
 # Decay factors below e^-L are flushed to exactly 0 (a dropped term is < e^-L times its undecayed size,
 # far below the dtype's rounding), so no product of two factors leaves the normal range: CPUs compute
-# subnormal floats many times slower, and strongly decayed chunks are full of them otherwise.
-_FLUSH_EXPONENT = {torch.float32: 30.0, torch.float64: 300.0}
+# subnormal floats many times slower, and strongly decayed chunks are full of them otherwise. Under autocast the
+# products come out in bf16 (fp32's range: the same L) or fp16, whose normal range (e^-9.7) is too short to flush in:
+# nothing is flushed there.
+_FLUSH_EXPONENT = {torch.float32: 30.0, torch.float64: 300.0, torch.bfloat16: 30.0, torch.float16: math.inf}
 
 
 def _exclusive_cumsum(x: Tensor, dim: int) -> Tensor:

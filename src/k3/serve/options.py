@@ -157,7 +157,7 @@ class EngineOptions:
         if self.draft == "ngram":
             from k3.serve.engine.ngram import NGramDrafter
 
-            return NGramDrafter(target.config.vocab_size, device=next(target.parameters()).device)
+            return NGramDrafter(target.config.vocab_size, device=target.device)
         from k3.model.draft import EagleDraft
         from k3.serve.engine.drafting import EagleDrafter, ModelDrafter
 
@@ -169,4 +169,4 @@ class EngineOptions:
         if draft.config.vocab_size != target.config.vocab_size:
             raise ValueError(f"--draft {self.draft}: vocabulary {draft.config.vocab_size} differs from the target's "
                              f"{target.config.vocab_size}")
-        return ModelDrafter(draft, compile=self.compile)
+        return ModelDrafter(draft.to(target.device), compile=self.compile)
