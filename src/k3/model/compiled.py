@@ -156,7 +156,7 @@ class CompiledStep:
         """Inductor's options for a new graph: dynamo reads ``freezing`` while it traces, inductor on first call."""
         if not self.tuned:
             return {}
-        cpu = next(self.model.parameters()).device.type == "cpu"
+        cpu = self.model.device.type == "cpu"
         return {"freezing": True, "max_autotune": True, "cpp_wrapper": True,  # the graph's calls made from C++ too
                 **({"max_autotune_gemm_backends": "CPP,ATEN"} if cpu else {})}
 
@@ -574,11 +574,11 @@ class CompiledModel:
 
     def _zeros(self, batch: int, length: int) -> Tensor:
         """Token ids ``[batch, length]`` of zeros, on the model's device."""
-        return torch.zeros(batch, length, dtype=torch.long, device=next(self.model.parameters()).device)
+        return torch.zeros(batch, length, dtype=torch.long, device=self.model.device)
 
     def _context(self, length: int, chunk: int = 512) -> DecoderState:
         """The state after ``length`` zero tokens, prefilled eagerly in chunks of ``chunk``."""
-        state = self.model.new_state(1, next(self.model.parameters()).device)
+        state = self.model.new_state(1)
         for start in range(0, length, chunk):
             state = self.decode_step._forward(self._zeros(1, min(chunk, length - start)), state)[1]
         return state

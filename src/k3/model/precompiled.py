@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from k3.files import user_cache
+from k3.files import DATA_LIMIT, open_regular, user_cache
 from k3.model.lm import K3ForCausalLM
 from k3.model.packed import PackedExperts
 from k3.model.state import DecoderState
@@ -86,11 +86,11 @@ class GraphFiles:
 
     def load(self, path: Path) -> Callable | None:
         """The graph saved at ``path``, or None when there is none; a file that does not load (a torch upgrade the
-        digest missed, a truncated write) is a warning and None."""
+        digest missed, a truncated write, not a regular file or over `k3.files.DATA_LIMIT`) is a warning and None."""
         if not path.is_file():
             return None
         try:
-            with path.open("rb") as f:
+            with open_regular(path, DATA_LIMIT) as f:
                 graph = torch.compiler.load_compiled_function(f, external_data={"model": self.model})
         except Exception as err:  # any failure to load means: compile it again
             warnings.warn(f"precompiled graph {path} did not load ({err!r}); compiling it again", RuntimeWarning,

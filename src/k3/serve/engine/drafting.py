@@ -128,7 +128,7 @@ class ModelDrafter:
 
     def _read(self, tokens: list[int], state: DecoderState) -> tuple[Tensor, DecoderState]:
         """The draft reads ``tokens``: the logits ``[V]`` after the last and the state."""
-        ids = torch.tensor([tokens], device=next(self.model.parameters()).device)
+        ids = torch.tensor([tokens], device=self.model.device)
         logits, state = (self.compiled or self.model)(ids, state=state)
         return logits[0, -1], state
 
