@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import table  # noqa: E402
 
 from k3.config import preset  # noqa: E402
 from k3.model.compiled import CompiledModel  # noqa: E402
@@ -64,7 +65,8 @@ def sync(device: torch.device) -> None:
 
 
 def timed(fn, device: torch.device, repeat: int = 3) -> float:
-    """Median seconds of ``fn()`` after one warm-up call."""
+    """Median seconds of ``fn()`` after one warm-up call (the statistical median: of 2 calls, their mean), the
+    device's queue drained around each call."""
     fn()
     times = []
     for _ in range(repeat):
@@ -325,13 +327,6 @@ def speculative_section(device: torch.device, quick: bool, target: str, draft: s
     return {"rows": rows}
 
 
-def markdown(rows: list[dict], columns: list[str]) -> str:
-    def cell(x) -> str:
-        return f"{x:.4g}" if isinstance(x, float) else str(x)
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    return "\n".join(lines + ["| " + " | ".join(cell(r.get(c, "")) for c in columns) + " |" for r in rows])
-
-
 def report(results: dict) -> str:
     """The README's tables from a results file."""
     columns = {"equivalence": ["feature", "dtype", "tokens_equal", "identical"],
@@ -348,7 +343,7 @@ def report(results: dict) -> str:
             continue
         parts.append(f"\n**{name}**" + (f": {section['error']}" if "error" in section else ""))
         if section.get("rows"):
-            parts.append(markdown(section["rows"], cols))
+            parts.append(table(section["rows"], [(c, c) for c in cols]))
     return "\n".join(parts)
 
 
