@@ -132,6 +132,19 @@ def test_the_gate_parks_the_background_thread_during_steps_but_never_inside_an_i
     monkeypatch.delitem(sys.modules, "slow_module")
 
 
+def test_closing_the_gate_restores_the_switch_interval():
+    """The thread shortens the interpreter's switch interval while it runs; a gate closed while it is parked for
+    good gives the process its interval back (before, it stayed shortened until the process exited)."""
+    before, count, gate = sys.getswitchinterval(), [0], Gate()
+    gate.start(lambda: [_tick(count) for _ in iter(int, 1)], "spin")  # calls Python until parked
+    _advances(count, True)
+    assert sys.getswitchinterval() < before
+    gate.close()
+    assert sys.getswitchinterval() == before
+    _advances(count, False)  # parked for good, and the interval stays the process's
+    assert sys.getswitchinterval() == before
+
+
 def _tick(count: list[int]) -> None:
     count[0] += 1
 

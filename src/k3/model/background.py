@@ -37,6 +37,7 @@ class Gate:
         self._lock = threading.Lock()
         self._local = threading.local()
         self._last = 0.0  # time.monotonic() when the last step ended
+        self._previous: float | None = None  # the switch interval to restore while the thread has it shortened
         self.closed = False
 
     @contextmanager
@@ -57,17 +58,19 @@ class Gate:
 
     def start(self, target: Callable[[], None], name: str) -> threading.Thread:
         """``target()`` on a daemon thread under the gate; the switch interval is shortened while it runs (a step
-        waits that long for the interpreter at most) and restored after."""
+        waits that long for the interpreter at most) and restored when it ends or the gate is closed."""
         def run() -> None:
-            previous = sys.getswitchinterval()
-            sys.setswitchinterval(min(previous, SWITCH_INTERVAL))
+            with self._lock:
+                if not self.closed:
+                    self._previous = sys.getswitchinterval()
+                    sys.setswitchinterval(min(self._previous, SWITCH_INTERVAL))
             self._local.on, self._local.imports = True, 0
             sys.settrace(self._call)
             try:
                 target()
             finally:
                 sys.settrace(None)
-                sys.setswitchinterval(previous)
+                self._restore()
 
         thread = threading.Thread(target=run, name=name, daemon=True)
         thread.start()
@@ -82,6 +85,14 @@ class Gate:
         with self._lock:
             self.closed = True
             self._idle.clear()
+        self._restore()
+
+    def _restore(self) -> None:
+        """Give the process its switch interval back (once), the background thread parked or done."""
+        with self._lock:
+            if self._previous is not None:
+                sys.setswitchinterval(self._previous)
+                self._previous = None
 
     def _call(self, frame: FrameType, event: str, arg: object) -> Callable | None:
         """The thread's trace function, at every Python call: wait for the steps, unless inside an import."""
