@@ -122,6 +122,24 @@ def test_save_round_trip_is_byte_identical(release, tmp_path):
         assert torch.equal(again(ids)[0], model(ids)[0])
 
 
+@pytest.mark.parametrize("section, name, value", [
+    ("kda", "decay_rank", 8), ("kda", "value_head_dim", 8), ("kda", "output_gate_rank", 4),
+    ("moe", "shared_hidden", 16), ("mla", "norm_eps", 1e-5), ("attn_res", "key_gain", False)])
+def test_a_config_the_release_cannot_describe_is_refused_before_writing(tmp_path, section, name, value):
+    """The release's config.json derives these fields (a KDA decay rank of head_dim, ...). Saving another value
+    wrote a checkpoint that `from_pretrained` refused with a shape error; now the save is refused, naming the field,
+    and writes nothing. `mini` and `small` (decay rank 32, head_dim 64) are such configs."""
+    torch.manual_seed(0)
+    tiny = preset("tiny")
+    model = K3ForCausalLM(dataclasses.replace(tiny, **{section: dataclasses.replace(getattr(tiny, section),
+                                                                                     **{name: value})}))
+    with pytest.raises(ValueError, match=f"{section}.{name}"):
+        model.save_pretrained(str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(ValueError, match="kda.decay_rank = 32"):
+        K3ForCausalLM(preset("mini")).save_pretrained(str(tmp_path / "mini"))
+
+
 def test_unpacked_experts_give_the_same_logits(release):
     ids = torch.tensor([PROMPT])
     with torch.no_grad():

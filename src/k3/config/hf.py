@@ -289,10 +289,32 @@ def _vision_dict(v: VisionConfig) -> dict[str, Any]:
             "mm_hidden_size": v.hidden_size, "text_hidden_size": v.out_dim}
 
 
+def _not_in_release(c: K3Config) -> list[str]:
+    """The fields of ``c`` the release's config fixes to other values (`from_release_dict` derives them)."""
+    k, fixed = c.kda, []
+    fixed += [f"kda.{name} = {getattr(k, name)} (the release's is head_dim = {k.head_dim})"
+              for name in ("decay_rank", "value_head_dim") if getattr(k, name) != k.head_dim]
+    if k.output_gate_rank not in (0, k.head_dim):
+        fixed.append(f"kda.output_gate_rank = {k.output_gate_rank} (the release's is 0 or head_dim = {k.head_dim})")
+    if c.moe.num_shared_experts and c.moe.shared_hidden != c.moe.expert_hidden:
+        fixed.append(f"moe.shared_hidden = {c.moe.shared_hidden} (the release's is expert_hidden = "
+                     f"{c.moe.expert_hidden})")
+    if c.moe.activation != "situ":
+        fixed.append(f"moe.activation = {c.moe.activation!r} (the release's is 'situ')")
+    if c.mla.norm_eps != 1e-6:
+        fixed.append(f"mla.norm_eps = {c.mla.norm_eps} (the release's is 1e-06)")
+    if c.attn_res.enabled and not c.attn_res.key_gain:
+        fixed.append("attn_res.key_gain = False (the release's has a key gain)")
+    return fixed
+
+
 def to_release_dict(config: K3Config, template: dict[str, Any] | None = None) -> dict[str, Any]:
     """`K3Config` → the released ``config.json`` layout; fields of ``template`` (the loaded file) we do not model
     are kept as they were, so a loaded release saves back with the same config."""
     c = config.validate()
+    if refused := _not_in_release(c):
+        raise ValueError("the release's config.json cannot describe " + "; ".join(refused) + ": such a checkpoint "
+                         "would not load back")
     hf = copy.deepcopy(template) if template else {
         "architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3", "dtype": "bfloat16",
         "tie_word_embeddings": c.tie_word_embeddings, "text_config": {}}

@@ -231,6 +231,7 @@ def save_pretrained(model: Any, directory: str | os.PathLike, max_shard_bytes: i
     """Write ``model`` in the release layout (config.json, shards, index). Float experts are MXFP4-quantized
     (lossy, `k3.ops.mx.quantize`); a model from `from_pretrained` is written back exactly."""
     info: ReleaseInfo | None = getattr(model, "release", None)
+    config = to_release_dict(model.config, info.config if info else None)  # refuses what would not load back
     state = model.state_dict()
     for layer_index, layer in enumerate(model.layers):
         if isinstance(layer.ffn, LatentMoE) and isinstance(layer.ffn.experts, Experts) and not isinstance(
@@ -246,7 +247,6 @@ def save_pretrained(model: Any, directory: str | os.PathLike, max_shard_bytes: i
             tensors[name] = t.to(dtype or _release_dtype(name)).contiguous()
     directory = Path(directory)
     paths = write_shards(directory, tensors, max_shard_bytes)
-    config = to_release_dict(model.config, info.config if info else None)
     write_text(directory / "config.json", json.dumps(config, indent=2))
     return paths
 
