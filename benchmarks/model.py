@@ -25,10 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -36,6 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from harness import copy_gbps, machine, matmul_gflops, median_seconds, table, write_results  # noqa: E402
+from timing import timed_decode  # noqa: E402
 
 from k3 import K3ForCausalLM  # noqa: E402
 from k3.config import preset  # noqa: E402
@@ -63,18 +61,6 @@ def prefilled(model: K3ForCausalLM, batch: int, context: int) -> tuple[torch.Ten
     with torch.no_grad():
         _, state = model(torch.randint(0, vocab, (batch, context)), state=model.new_state(batch))
     return torch.randint(0, vocab, (batch, 1)), state
-
-
-def timed_decode(step: Callable[[], None], batch: int, steps: int = 32, blocks: int = 5) -> float:
-    """Tokens/s of ``step`` (one batch-wide decode step, already warmed up): the median over ``blocks`` runs of
-    ``steps`` steps, so a burst of load from another process on the shared cores does not decide the figure."""
-    times = []
-    for _ in range(blocks):
-        start = time.perf_counter()
-        for _ in range(steps):
-            step()
-        times.append(time.perf_counter() - start)
-    return batch * steps / statistics.median(times)
 
 
 def k3_decode_tokens_per_s(model: K3ForCausalLM, batch: int, context: int, steps: int = 32) -> float:
