@@ -123,12 +123,16 @@ def test_compiled_decode_of_a_qat_model_equals_eager():
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
 def test_compiled_steps_of_a_packed_model_equal_eager_and_compile_nothing_after_warm_up(mode):
-    """Packed MXFP4 experts (the release's layout) in a compiled step: their routing-dependent dispatch runs eagerly
-    between graphs, so steps whose routings differ reuse the warm graphs (before: each new routing needed a graph,
-    and "Recompilation triggered with skip_guard_eval_unsafe stance" ended the loop), under no_grad and
-    inference_mode alike (issue 37)."""
+    """Packed MXFP4 experts (the release's layout) in a compiled step: each token–expert pair decodes its gathered
+    packed bytes inside the graph, so a step is one graph (before: the dispatch ran eagerly between graph pieces, one
+    more piece per MoE layer), and steps whose routings differ reuse the warm graphs (before that: each new routing
+    needed a graph, and "Recompilation triggered with skip_guard_eval_unsafe stance" ended the loop), under no_grad
+    and inference_mode alike (issue 37)."""
+    from torch._dynamo.utils import counters
+
     from k3.model.packed import PackedExperts, replace_experts
 
+    counters.clear()
     torch.manual_seed(0)
     model = replace_experts(K3ForCausalLM(preset("tiny")).eval(), PackedExperts.pack)
     compiled = CompiledModel(model, sizes=(4, 1), tuned=False)
@@ -145,6 +149,34 @@ def test_compiled_steps_of_a_packed_model_equal_eager_and_compile_nothing_after_
                 eager_logits, eager = model(token, state=eager)
         built.append(compiled.compilations)
     assert built[1] == built[0] > 0
+    assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+@pytest.mark.slow
+def test_a_packed_model_is_precompiled_and_a_second_model_loads_its_graphs(tmp_path, monkeypatch):
+    """Precompiled steps of a packed MXFP4 model (before: refused, its dispatch broke the graph): compiled and saved
+    once, loaded by a second `CompiledModel` without compiling; both give eager's logits and tokens."""
+    from k3.model.packed import PackedExperts, replace_experts
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    torch.manual_seed(0)
+    model = replace_experts(K3ForCausalLM(preset("tiny")).eval(), PackedExperts.pack)
+    prompt = torch.tensor([[5, 9, 3, 7, 11, 2, 8, 4, 40, 1, 77]])
+    for loads in (0, 3):
+        compiled = CompiledModel(model, batches=(1,), sizes=(4, 1))
+        compiled.precompile(compiled.families(1, prefill=True))
+        assert (compiled.compilations, compiled.cache_hits) == (3, loads)  # the decode step, the 4-piece on 2 sides
+        with torch.inference_mode():
+            logits, state = compiled.step(prompt, model.new_state(1))
+            eager_logits, eager = model(prompt, state=model.new_state(1))
+            for _ in range(4):
+                assert float((logits - eager_logits[:, -1]).abs().max()) < LOGIT_TOLERANCE
+                token = logits.argmax(-1, keepdim=True)
+                assert token.equal(eager_logits[:, -1].argmax(-1, keepdim=True))
+                logits, state = compiled.step(token, state)
+                eager_logits, eager = model(token, state=eager)
+        assert compiled.eager_calls == 0 and compiled.graph_calls > 0
+    assert len(list((tmp_path / "k3" / "graphs").rglob("*.pt2"))) == 3
 
 
 @pytest.mark.slow

@@ -59,12 +59,11 @@ from k3.files import user_cache
 from k3.model.background import Gate
 from k3.model.lm import K3ForCausalLM
 from k3.model.packed import PackedExperts
-from k3.model.precompiled import GraphFiles, forward_replayed, forward_step, precompilable
+from k3.model.precompiled import GraphFiles, forward_replayed, forward_step
 from k3.model.projections import fused
 from k3.model.sequence.kda import KDAState
 from k3.model.sequence.mla import MLACache, MLASlots
 from k3.model.state import DecoderState
-from k3.model.width import Experts
 
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32)
 PREFILL_PIECES = (64, 16, 4, 1)
@@ -99,12 +98,12 @@ def persistent_cache() -> str | None:
     return os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", default)
 
 
-def _eager_packed_dispatch() -> None:
-    """Packed experts' dispatch runs eagerly inside a compiled step: which experts a step reads depends on the
-    routing (a graph per routing otherwise), and their product is the packed-byte kernel's, not inductor's. Marked
-    when a step is first compiled: `torch.compiler.disable` at import would load the compiler for eager users."""
-    if "forward" not in vars(PackedExperts):
-        PackedExperts.forward = torch.compiler.disable(Experts.forward)
+def _stack_packed(model: K3ForCausalLM) -> None:
+    """Packed experts trace as one graph with the rest of the step: each token–expert pair decodes its gathered
+    packed bytes in generated code (`PackedExperts.forward`), from stacked copies made here, before any trace."""
+    for module in model.modules():
+        if isinstance(module, PackedExperts):
+            module.stack()
 
 
 class CompiledStep:
@@ -116,13 +115,12 @@ class CompiledStep:
     def __init__(self, model: K3ForCausalLM, tuned: bool = False, replayed: bool = False,
                  gate: Gate | None = None, files: GraphFiles | None = None) -> None:
         """``files``: the step is precompiled (`k3.model.precompiled`), its graphs loaded from and saved to them."""
-        if files is not None and (tuned or not precompilable(model)):
-            raise ValueError("precompiled: graphs whose weights are inputs (not tuned), of a model without packed "
-                             "experts")
+        if files is not None and tuned:
+            raise ValueError("precompiled: graphs whose weights are inputs (not tuned)")
         self.model, self.tuned, self.replayed, self.gate = model, tuned, replayed, gate
         self.precompiled, self._files = files is not None, files
         persistent_cache()
-        _eager_packed_dispatch()
+        _stack_packed(model)
         self.compilations = 0
         self.cache_hits = 0  # of the compilations, graphs loaded from an on-disk cache (inductor's, or `GraphFiles`)
         self.compile_seconds: dict[tuple, float] = {}  # shape key -> seconds of the call that compiled it
@@ -484,8 +482,7 @@ class CompiledModel:
     def precompile(self, families: list[tuple]) -> float:
         """Build the precompiled graph (`k3.model.precompiled`) of each of ``families`` now — loaded in seconds
         where an earlier process saved it, else compiled and saved — and run those families on them; every other
-        call runs eagerly (``k3 generate --compile``). A model that cannot be precompiled (packed experts) gets its
-        traced graphs instead. Returns the seconds taken."""
+        call runs eagerly (``k3 generate --compile``). Returns the seconds taken."""
         start = time.perf_counter()
         self._plan(families, upgrade=False)
         with torch.inference_mode():
@@ -497,7 +494,7 @@ class CompiledModel:
         family not built yet runs eagerly (the function its graphs are traced from: the same tokens), then on its
         graph. First each family's precompiled graph (as `precompile`); then, with ``upgrade``, the tuned decode and
         verification graphs (frozen weights: ~2× faster, never saved), each replacing its precompiled one when
-        built. A model that cannot be precompiled (packed experts) gets the traced graphs only. The thread runs only
+        built. The thread runs only
         while no step has run for a moment (`k3.model.background.Gate`): the steps keep their speed and the graphs
         take the idle time. `ready` maps each family to the step serving it; an error stops the compilation with a
         warning (what is left runs as it is); `stop_background` parks it for good."""
@@ -508,16 +505,15 @@ class CompiledModel:
         return self.background
 
     def _plan(self, families: list[tuple], upgrade: bool) -> None:
-        """`planned`: each family's precompiled graph (where the model allows), then its traced one (all of them if
-        it does not; else, with ``upgrade``, the tuned decode and verification graphs)."""
+        """`planned`: each family's precompiled graph, then, with ``upgrade``, the tuned decode and verification
+        graphs."""
         if self.ready is not None:
             raise RuntimeError("CompiledModel: graphs have already been planned")
-        if precompilable(self.model):
-            files = GraphFiles(self.model)  # one layout digest for the three steps
-            self.precompiled = {kind: CompiledStep(self.model, replayed=kind == "verify", gate=self.gate, files=files)
-                                for kind in ("decode", "prefill", "verify")}
-        traced = [f for f in families if upgrade and f[0] != "prefill"] if self.precompiled else families
-        self.planned = [(f, "precompiled") for f in families if self.precompiled] + [(f, "traced") for f in traced]
+        files = GraphFiles(self.model)  # one layout digest for the three steps
+        self.precompiled = {kind: CompiledStep(self.model, replayed=kind == "verify", gate=self.gate, files=files)
+                            for kind in ("decode", "prefill", "verify")}
+        traced = [f for f in families if upgrade and f[0] != "prefill"]
+        self.planned = [(f, "precompiled") for f in families] + [(f, "traced") for f in traced]
         self.ready = {}
 
     def wait_background(self, timeout: float | None = None) -> bool:

@@ -48,8 +48,8 @@ class PackedExperts(Experts):
     """`Experts` whose weights stay MXFP4-packed; never the all-experts dense path (it would decode every one).
 
     ``input_format`` (an MXFP8 format or None) quantizes the experts' matmul inputs as `Experts` does with MX
-    on, so a packed model computes exactly what its fake-quantized float model computes (SPEC §7). Inside a
-    compiled step its dispatch runs eagerly (`k3.model.compiled` marks ``forward`` so).
+    on, so a packed model computes exactly what its fake-quantized float model computes (SPEC §7). A compiled step
+    decodes the chosen experts' bytes in its graph (`forward`, `stack`).
     """
 
     DENSE_LIMIT = 0
@@ -87,6 +87,30 @@ class PackedExperts(Experts):
         """Expert ``e``'s weights decoded exactly into ``dtype``: ``(cat(w1, w3) [2F, W], w2 [W, F])``."""
         p = self.packed[e]
         return torch.cat([p.w1.weight(dtype), p.w3.weight(dtype)]), p.w2.weight(dtype)
+
+    def forward(self, x: Tensor, weights: Tensor, indices: Tensor) -> Tensor:
+        """`Experts.forward`; inside a compiled step (after `stack`) every token–expert pair decodes its gathered
+        packed bytes in the graph (`_gathered`): static shapes, no graph break, the chosen experts' bytes read."""
+        if torch.compiler.is_compiling():
+            return self._gathered(x, weights, indices)
+        return super().forward(x, weights, indices)
+
+    def stack(self) -> None:
+        """Stacked copies of every expert's packed bytes and scales (non-persistent buffers: the packed experts'
+        memory once more), which a compiled step gathers from; built once, before the first trace."""
+        if hasattr(self, "gate_up_packed"):
+            return
+        for name, projections in (("gate_up", ("w1", "w3")), ("down", ("w2",))):
+            for kind in ("packed", "scale"):
+                self.register_buffer(f"{name}_{kind}", torch.stack([
+                    torch.cat([getattr(getattr(p, w), f"weight_{kind}") for w in projections]) for p in self.packed]),
+                    persistent=False)
+        mx.dequantize(self.down_packed[:1, :1], self.down_scale[:1, :1])  # its lookup table, made outside a trace
+
+    def _pair_weights(self, pairs: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """The gathered experts' weights decoded exactly from their stacked packed bytes (`stack`)."""
+        return (mx.dequantize(self.gate_up_packed[pairs], self.gate_up_scale[pairs], dtype),
+                mx.dequantize(self.down_packed[pairs], self.down_scale[pairs], dtype))
 
     @classmethod
     def pack(cls, experts: Experts) -> PackedExperts:

@@ -13,8 +13,8 @@ frozen and ~12 ms eager, on 2 cores).
 the source of the whole ``k3`` package, the torch and Python versions and this CPU's feature flags — anything that
 could make a graph compute something else. Inside, a file per shape key (`CompiledStep`'s). A graph is chosen by that
 key, not by dynamo's guards (they do not survive serialization: a loaded graph's guards fail on dynamic dimensions),
-as a warm `CompiledStep` already skips them. A model with packed MXFP4 experts cannot be precompiled: their dispatch
-runs eagerly between graphs (`precompilable`).
+as a warm `CompiledStep` already skips them. Packed MXFP4 experts are precompiled like the rest: their product decodes
+the gathered packed bytes inside the graph (`k3.model.packed.PackedExperts.forward`).
 """
 
 from __future__ import annotations
@@ -31,18 +31,12 @@ from torch import Tensor
 
 from k3.files import DATA_LIMIT, open_regular, user_cache
 from k3.model.lm import K3ForCausalLM
-from k3.model.packed import PackedExperts
 from k3.model.state import DecoderState
 from k3.ops.mxfp4_kernel import cpu_flags
 
-__all__ = ["GraphFiles", "layout_digest", "precompilable"]
+__all__ = ["GraphFiles", "layout_digest"]
 
 _PACKAGE = Path(__file__).resolve().parents[1]  # the k3 package: its source is part of every graph's key
-
-
-def precompilable(model: K3ForCausalLM) -> bool:
-    """Whether ``model``'s steps trace as one graph each (packed experts' dispatch breaks the graph)."""
-    return not any(isinstance(m, PackedExperts) for m in model.modules())
 
 
 def layout_digest(model: K3ForCausalLM) -> str:

@@ -230,13 +230,19 @@ class Experts(nn.Module):
         """A matmul input, MX fake-quantized in blocks along its last axis when MX inputs are on."""
         return x if self.input_format is None else mx.fake_quantize(x, self.input_format)
 
+    def _pair_weights(self, pairs: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """The weights of experts ``pairs`` ``[M]`` as they compute (`expert_weights`), gathered: ``(gate_up
+        [M, 2F, W], down [M, W, F])``."""
+        gate_up, down = self.gate_up[pairs], self.down[pairs]
+        if self.weight_format is None:
+            return gate_up, down
+        return mx.fake_quantize(gate_up, self.weight_format), mx.fake_quantize(down, self.weight_format)
+
     def _gathered(self, x: Tensor, weights: Tensor, indices: Tensor) -> Tensor:
         """Each token–expert pair on its own gathered copy of the expert's weights: shapes fixed by ``[N, k]`` alone
         (what a compiled decode step traces, `k3.model.compiled`); it reads exactly the selected experts."""
         (n, k), pairs = indices.shape, indices.flatten()
-        gate_up, down = self.gate_up[pairs], self.down[pairs]  # [N·k, 2F, W], [N·k, W, F]
-        if self.weight_format is not None:
-            gate_up, down = mx.fake_quantize(gate_up, self.weight_format), mx.fake_quantize(down, self.weight_format)
+        gate_up, down = self._pair_weights(pairs, x.dtype)  # [N·k, 2F, W], [N·k, W, F]
         xs = self._input(x).repeat_interleave(k, 0).unsqueeze(-1)  # [N·k, W, 1]
         gate, up = (gate_up @ xs).squeeze(-1).split(self.hidden, dim=-1)
         h = self._input(_activate(gate, up, self.activation, self.gate_cap, self.up_cap))
