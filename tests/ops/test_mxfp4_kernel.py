@@ -107,3 +107,21 @@ def test_a_failed_build_warns_and_leaves_the_pytorch_path(monkeypatch, tmp_path)
     with pytest.warns(RuntimeWarning, match="MXFP4 kernel unavailable"):
         assert mxfp4_kernel.build(mxfp4_kernel.FLAGS + ("-DK3_TEST_BUILD",)) is None
     assert not list((tmp_path / "k3" / "kernels").glob("*.so"))
+
+
+@pytest.mark.parametrize("rows", [1, 7, 300])  # 300 rows on 4 experts: past KERNEL_ROWS, the decoded-weights path
+def test_pair_products_give_each_row_its_own_experts_fp64_product(rows):
+    """`k3.model.packed.pair_products` (the compiled step's packed expert operator) against each row's fp64 product
+    with its expert's weights, decoded by `mx.decode` of the unpacked codes."""
+    from k3.model.packed import pair_products
+
+    g = torch.Generator().manual_seed(rows)
+    experts, out_features, in_features = 4, 48, 64
+    quantized = [mx.quantize(torch.randn(out_features, in_features, generator=g)) for _ in range(experts)]
+    packed, scale = torch.stack([q[0] for q in quantized]), torch.stack([q[1] for q in quantized])
+    xs, pairs = torch.randn(rows, in_features, generator=g), torch.randint(0, experts, (rows,), generator=g)
+    got = pair_products(xs, packed, scale, pairs)
+    want = torch.stack([mx.decode(mx.unpack_fp4(packed[e]), scale[e], "mxfp4", torch.float64) @ xs[m].double()
+                        for m, e in enumerate(pairs.tolist())])
+    assert got.shape == (rows, out_features) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-5)

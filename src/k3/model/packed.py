@@ -23,6 +23,29 @@ from k3.ops import mx, mxfp4_kernel
 PROJECTIONS = ("w1", "w2", "w3")  # gate [F, W], down [W, F], up [F, W] as the release names them
 
 
+@torch.library.custom_op("k3::mxfp4_pair_products", mutates_args=())
+def pair_products(xs: Tensor, packed: Tensor, scale: Tensor, pairs: Tensor) -> Tensor:
+    """Row m of ``xs`` ``[M, K]`` times the MXFP4 weight ``(packed [E, N, K/2], scale [E, N, K/32])[pairs[m]]``
+    transposed: ``[M, N]`` in ``xs.dtype``. The rows of each expert together: up to `PackedExperts.KERNEL_ROWS` fp32
+    rows on the CPU through the packed-byte kernel (its bytes read once, never decoded), else the decoded weights
+    times the rows. An operator of its own, so a compiled step calls it as one node (which experts it reads depends
+    on the routing, which a graph cannot)."""
+    out = xs.new_empty(xs.shape[0], packed.shape[1])
+    for e in pairs.unique().tolist():
+        rows = (pairs == e).nonzero().squeeze(1)
+        x = xs.index_select(0, rows)
+        if x.shape[0] <= PackedExperts.KERNEL_ROWS and mxfp4_kernel.available(x):
+            out[rows] = mxfp4_kernel.gemv(x, packed[e], scale[e])
+        else:
+            out[rows] = x @ mx.dequantize(packed[e], scale[e], x.dtype).T
+    return out
+
+
+@pair_products.register_fake
+def _(xs: Tensor, packed: Tensor, scale: Tensor, pairs: Tensor) -> Tensor:
+    return xs.new_empty(xs.shape[0], packed.shape[1])
+
+
 class PackedLinear(nn.Module):
     """One bias-free MXFP4 weight ``[out, in]``: buffers ``weight_packed`` and ``weight_scale``."""
 
@@ -89,8 +112,8 @@ class PackedExperts(Experts):
         return torch.cat([p.w1.weight(dtype), p.w3.weight(dtype)]), p.w2.weight(dtype)
 
     def forward(self, x: Tensor, weights: Tensor, indices: Tensor) -> Tensor:
-        """`Experts.forward`; inside a compiled step (after `stack`) every token–expert pair decodes its gathered
-        packed bytes in the graph (`_gathered`): static shapes, no graph break, the chosen experts' bytes read."""
+        """`Experts.forward`; inside a compiled step (after `stack`) each token–expert pair multiplies its expert's
+        packed bytes in one operator of the graph (`_gathered`, `pair_products`): static shapes, no graph break."""
         if torch.compiler.is_compiling():
             return self._gathered(x, weights, indices)
         return super().forward(x, weights, indices)
@@ -105,12 +128,12 @@ class PackedExperts(Experts):
                 self.register_buffer(f"{name}_{kind}", torch.stack([
                     torch.cat([getattr(getattr(p, w), f"weight_{kind}") for w in projections]) for p in self.packed]),
                     persistent=False)
-        mx.dequantize(self.down_packed[:1, :1], self.down_scale[:1, :1])  # its lookup table, made outside a trace
 
-    def _pair_weights(self, pairs: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """The gathered experts' weights decoded exactly from their stacked packed bytes (`stack`)."""
-        return (mx.dequantize(self.gate_up_packed[pairs], self.gate_up_scale[pairs], dtype),
-                mx.dequantize(self.down_packed[pairs], self.down_scale[pairs], dtype))
+    def _pair_product(self, name: str, xs: Tensor, pairs: Tensor) -> Tensor:
+        """Each row of ``xs`` times its expert's packed ``name`` weight (`pair_products`: one opaque operator in the
+        graph, the packed-byte kernel inside)."""
+        return torch.ops.k3.mxfp4_pair_products(xs, getattr(self, f"{name}_packed"), getattr(self, f"{name}_scale"),
+                                                pairs)
 
     @classmethod
     def pack(cls, experts: Experts) -> PackedExperts:

@@ -230,24 +230,24 @@ class Experts(nn.Module):
         """A matmul input, MX fake-quantized in blocks along its last axis when MX inputs are on."""
         return x if self.input_format is None else mx.fake_quantize(x, self.input_format)
 
-    def _pair_weights(self, pairs: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """The weights of experts ``pairs`` ``[M]`` as they compute (`expert_weights`), gathered: ``(gate_up
-        [M, 2F, W], down [M, W, F])``."""
-        gate_up, down = self.gate_up[pairs], self.down[pairs]
-        if self.weight_format is None:
-            return gate_up, down
-        return mx.fake_quantize(gate_up, self.weight_format), mx.fake_quantize(down, self.weight_format)
+    def _pair_product(self, name: str, xs: Tensor, pairs: Tensor) -> Tensor:
+        """Each row of ``xs`` ``[M, in]`` times its expert's ``name`` weight (``"gate_up"`` or ``"down"``, as
+        `expert_weights` computes it), the expert ``pairs[m]``, on a gathered copy: ``[M, out]``."""
+        w = getattr(self, name)[pairs]
+        if self.weight_format is not None:
+            w = mx.fake_quantize(w, self.weight_format)
+        return (w @ xs.unsqueeze(-1)).squeeze(-1)
 
     def _gathered(self, x: Tensor, weights: Tensor, indices: Tensor) -> Tensor:
-        """Each token–expert pair on its own gathered copy of the expert's weights: shapes fixed by ``[N, k]`` alone
-        (what a compiled decode step traces, `k3.model.compiled`); it reads exactly the selected experts."""
+        """Each token–expert pair on its own product with the expert's weights (`_pair_product`): shapes fixed by
+        ``[N, k]`` alone (what a compiled decode step traces, `k3.model.compiled`); it reads exactly the selected
+        experts."""
         (n, k), pairs = indices.shape, indices.flatten()
-        gate_up, down = self._pair_weights(pairs, x.dtype)  # [N·k, 2F, W], [N·k, W, F]
-        xs = self._input(x).repeat_interleave(k, 0).unsqueeze(-1)  # [N·k, W, 1]
-        gate, up = (gate_up @ xs).squeeze(-1).split(self.hidden, dim=-1)
+        xs = self._input(x).repeat_interleave(k, 0)  # [N·k, W]
+        gate, up = self._pair_product("gate_up", xs, pairs).split(self.hidden, dim=-1)
         h = self._input(_activate(gate, up, self.activation, self.gate_cap, self.up_cap))
         acc = torch.promote_types(x.dtype, weights.dtype)
-        y = (down @ h.unsqueeze(-1)).squeeze(-1).to(acc).view(n, k, -1)
+        y = self._pair_product("down", h, pairs).to(acc).view(n, k, -1)
         return (y * weights.to(acc).unsqueeze(-1)).sum(1).to(x.dtype)
 
     def _dense(self, x: Tensor, weights: Tensor, indices: Tensor) -> Tensor:
