@@ -99,8 +99,9 @@ def persistent_cache() -> str | None:
 
 
 def _stack_packed(model: K3ForCausalLM) -> None:
-    """Packed experts trace as one graph with the rest of the step: each token–expert pair decodes its gathered
-    packed bytes in generated code (`PackedExperts.forward`), from stacked copies made here, before any trace."""
+    """Packed experts trace as one graph with the rest of the step: their products are one operator on stacked
+    copies of their packed bytes (`PackedExperts.forward`, `k3.model.packed.pair_products`), made here before any
+    trace."""
     for module in model.modules():
         if isinstance(module, PackedExperts):
             module.stack()

@@ -120,7 +120,7 @@ class PackedExperts(Experts):
 
     def stack(self) -> None:
         """Stacked copies of every expert's packed bytes and scales (non-persistent buffers: the packed experts'
-        memory once more), which a compiled step gathers from; built once, before the first trace."""
+        memory once more), which a compiled step's `pair_products` reads; built once, before the first trace."""
         if hasattr(self, "gate_up_packed"):
             return
         for name, projections in (("gate_up", ("w1", "w3")), ("down", ("w2",))):
