@@ -495,10 +495,9 @@ class CompiledModel:
         family not built yet runs eagerly (the function its graphs are traced from: the same tokens), then on its
         graph. First each family's precompiled graph (as `precompile`); then, with ``upgrade``, the tuned decode and
         verification graphs (frozen weights: ~2× faster, never saved), each replacing its precompiled one when
-        built. The thread runs only
-        while no step has run for a moment (`k3.model.background.Gate`): the steps keep their speed and the graphs
-        take the idle time. `ready` maps each family to the step serving it; an error stops the compilation with a
-        warning (what is left runs as it is); `stop_background` parks it for good."""
+        built. The thread runs only while no step has run for a moment (`k3.model.background.Gate`): the steps keep
+        their speed and the graphs take the idle time. `ready` maps each family to the step serving it; an error
+        stops the compilation with a warning (what is left runs as it is); `stop_background` parks it for good."""
         self._plan(families, upgrade)
         _BACKGROUND[0] += 1
         threads = torch.get_num_threads()

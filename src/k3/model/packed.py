@@ -71,8 +71,8 @@ class PackedExperts(Experts):
     """`Experts` whose weights stay MXFP4-packed; never the all-experts dense path (it would decode every one).
 
     ``input_format`` (an MXFP8 format or None) quantizes the experts' matmul inputs as `Experts` does with MX
-    on, so a packed model computes exactly what its fake-quantized float model computes (SPEC §7). A compiled step
-    decodes the chosen experts' bytes in its graph (`forward`, `stack`).
+    on, so a packed model computes exactly what its fake-quantized float model computes (SPEC §7). In a compiled step
+    its products are one operator of the graph (`forward`, `stack`, `pair_products`).
     """
 
     DENSE_LIMIT = 0
