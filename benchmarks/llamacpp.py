@@ -123,8 +123,10 @@ def ensure_llama_cpp(tree: Path) -> None:
 def convert(tree: Path, release: Path, out: Path) -> Path:
     """``convert_hf_to_gguf.py --outtype f32`` of ``release`` (in a fresh interpreter)."""
     source = tree / "vendor" / "llama.cpp"
-    subprocess.run([sys.executable, "-c", CONVERT, str(source), str(release), "--outtype", "f32", "--outfile",
-                    str(out)], check=True, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-c", CONVERT, str(source), str(release), "--outtype", "f32", "--outfile",
+                           str(out)], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"convert_hf_to_gguf.py failed on {release}:\n{done.stderr[-3000:]}")
     return out
 
 
