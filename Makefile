@@ -31,7 +31,7 @@ serve: $(STAMP)
 # The chat page's browser test drives Debian's headless Chromium, and torch.compile's CPU backend (the compiled
 # decode tests) needs a C++ compiler: both installed here when missing and running as root (as CI does).
 # Two pytest-xdist workers, one file each at a time and one torch thread each (two threads per worker would spin
-# against the other worker's): 19 minutes on 2 cores instead of 32 one file after another.
+# against the other worker's): 19-22 minutes on 2 cores instead of 32-36 one file after another.
 test: $(STAMP)
 	@{ command -v chromium && command -v chromedriver && command -v g++; } >/dev/null 2>&1 || \
 		[ "$$(id -u)" != 0 ] || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y \
