@@ -46,7 +46,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from harness import machine, table, write_results  # noqa: E402
+from kimi_fixtures import kimi_config  # noqa: E402
 from llamacpp_peer import AGREE_TOKENS, PROMPT, prompt  # noqa: E402
 from model import k3_compiled_decode, k3_decode_tokens_per_s  # noqa: E402
 from startup import wide  # noqa: E402
@@ -56,10 +58,9 @@ from k3.files import CONFIG_LIMIT, read_json, user_cache, write_text  # noqa: E4
 from k3.model.pretrained import save_pretrained  # noqa: E402
 from k3.model.safetensors_io import Shards, write_shards  # noqa: E402
 from k3.ops.mx import dequantize  # noqa: E402
-from k3.tokenization.kimi import NUM_RESERVED, KimiTokenizer  # noqa: E402
+from k3.tokenization.kimi import KimiTokenizer  # noqa: E402
 
 VERSION = "0.3.36"
-SPECIALS = {0: "[BOS]", 1: "[EOS]", 6: "<|end_of_msg|>", 255: "[PAD]"}
 
 # Runs the vendored converter with its Kimi vocabulary branch reading a `KimiTokenizer` (see the module docstring).
 CONVERT = r'''
@@ -132,13 +133,9 @@ def convert(tree: Path, release: Path, out: Path) -> Path:
 
 # ---------------------------------------------------------------------- the checkpoints
 def tokenizer_files(directory: Path) -> None:
-    """A byte-level Kimi vocabulary: 256 byte ranks and the 256 reserved specials (a few named)."""
-    flags = {"lstrip": False, "normalized": False, "rstrip": False, "single_word": False, "special": True}
-    config = {"added_tokens_decoder": {str(256 + k): {"content": v, **flags} for k, v in SPECIALS.items()},
-              "bos_token": "[BOS]", "eos_token": "[EOS]", "pad_token": "[PAD]",
-              "tokenizer_class": "TikTokenTokenizer"}
-    KimiTokenizer({bytes([b]): b for b in range(256)}, config).save(directory)
-    assert len(KimiTokenizer.load(directory).token_bytes()) == 256 + NUM_RESERVED
+    """A byte-level Kimi vocabulary: 256 byte ranks and the 256 reserved specials (named at the release's offsets,
+    `kimi_fixtures.kimi_config`)."""
+    KimiTokenizer({bytes([b]): b for b in range(256)}, kimi_config(256)).save(directory)
 
 
 def checkpoints(work: Path) -> dict[str, Path]:

@@ -23,6 +23,12 @@ from k3.ops import mx, mxfp4_kernel
 PROJECTIONS = ("w1", "w2", "w3")  # gate [F, W], down [W, F], up [F, W] as the release names them
 
 
+def kernel_runs(x: Tensor) -> bool:
+    """Whether rows ``x`` multiply packed bytes through the kernel (`k3.ops.mxfp4_kernel`): at most
+    `PackedExperts.KERNEL_ROWS` of them, and the kernel available for them; else decoding the weights is faster."""
+    return x.shape[0] <= PackedExperts.KERNEL_ROWS and mxfp4_kernel.available(x)
+
+
 @torch.library.custom_op("k3::mxfp4_pair_products", mutates_args=())
 def pair_products(xs: Tensor, packed: Tensor, scale: Tensor, pairs: Tensor) -> Tensor:
     """Row m of ``xs`` ``[M, K]`` times the MXFP4 weight ``(packed [E, N, K/2], scale [E, N, K/32])[pairs[m]]``
@@ -34,7 +40,7 @@ def pair_products(xs: Tensor, packed: Tensor, scale: Tensor, pairs: Tensor) -> T
     for e in pairs.unique().tolist():
         rows = (pairs == e).nonzero().squeeze(1)
         x = xs.index_select(0, rows)
-        if x.shape[0] <= PackedExperts.KERNEL_ROWS and mxfp4_kernel.available(x):
+        if kernel_runs(x):
             out[rows] = mxfp4_kernel.gemv(x, packed[e], scale[e])
         else:
             out[rows] = x @ mx.dequantize(packed[e], scale[e], x.dtype).T
@@ -72,7 +78,8 @@ class PackedExperts(Experts):
 
     ``input_format`` (an MXFP8 format or None) quantizes the experts' matmul inputs as `Experts` does with MX
     on, so a packed model computes exactly what its fake-quantized float model computes (SPEC §7). In a compiled step
-    its products are one operator of the graph (`forward`, `stack`, `pair_products`).
+    (`Experts._gathered`, after `stack`) its products are one operator of the graph (`pair_products`): static shapes,
+    no graph break.
     """
 
     DENSE_LIMIT = 0
@@ -100,7 +107,7 @@ class PackedExperts(Experts):
         """Expert ``e`` on its tokens ``xs`` ``[n, W]``: up to ``KERNEL_ROWS`` fp32 rows on the CPU through the
         packed-byte kernel (`k3.ops.mxfp4_kernel`), which never decodes the weights to floats; otherwise (or without
         the kernel) the weights decoded, then a matmul."""
-        if xs.shape[0] > self.KERNEL_ROWS or not mxfp4_kernel.available(xs):
+        if not kernel_runs(xs):
             return super().expert(e, xs)
         x, p = self._input(xs), self.packed[e]
         gate, up = (mxfp4_kernel.gemv(x, w.weight_packed, w.weight_scale) for w in (p.w1, p.w3))
@@ -110,13 +117,6 @@ class PackedExperts(Experts):
         """Expert ``e``'s weights decoded exactly into ``dtype``: ``(cat(w1, w3) [2F, W], w2 [W, F])``."""
         p = self.packed[e]
         return torch.cat([p.w1.weight(dtype), p.w3.weight(dtype)]), p.w2.weight(dtype)
-
-    def forward(self, x: Tensor, weights: Tensor, indices: Tensor) -> Tensor:
-        """`Experts.forward`; inside a compiled step (after `stack`) each token–expert pair multiplies its expert's
-        packed bytes in one operator of the graph (`_gathered`, `pair_products`): static shapes, no graph break."""
-        if torch.compiler.is_compiling():
-            return self._gathered(x, weights, indices)
-        return super().forward(x, weights, indices)
 
     def stack(self) -> None:
         """Stacked copies of every expert's packed bytes and scales (non-persistent buffers: the packed experts'

@@ -192,7 +192,7 @@ class Experts(nn.Module):
     def forward(self, x: Tensor, weights: Tensor, indices: Tensor) -> Tensor:
         """x [N, W], weights [N, k], indices [N, k] → Σ_j weights_j · Expert_{indices_j}(x), [N, W] in x.dtype."""
         n_tokens, k = indices.shape
-        if type(self) is Experts and torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():
             return self._gathered(x, weights, indices)
         mx_on = self.weight_format is not None or self.input_format is not None
         if not mx_on and self.num_experts <= n_tokens * k and n_tokens * self.num_experts <= self.DENSE_LIMIT:
