@@ -48,7 +48,7 @@ from k3.config import preset  # noqa: E402
 from k3.model.compiled import CompiledModel  # noqa: E402
 from k3.model.lm import K3ForCausalLM  # noqa: E402
 from k3.model.packed import PackedExperts, replace_experts  # noqa: E402
-from k3.ops import kda  # noqa: E402
+from k3.ops import kda, kda_fla  # noqa: E402
 from k3.serve.engine import Engine, SamplingParams  # noqa: E402
 from k3.serve.engine.cache import PrefixCache  # noqa: E402
 from k3.serve.engine.ngram import NGramDrafter  # noqa: E402
@@ -142,10 +142,13 @@ def equivalence(device: torch.device, quick: bool) -> dict:
             else:
                 kwargs_of, expected = kwargs, reference
             model = model.to(device=device, dtype=dtype).eval()
-            got = engine_tokens(model, tok, prompts, **(kwargs_of(model) if callable(kwargs_of) else kwargs_of))
+            options = kwargs_of(model) if callable(kwargs_of) else kwargs_of
+            got = engine_tokens(model, tok, prompts, **options)
             same = sum(a == b for g, e in zip(got, expected) for a, b in zip(g, e))
+            graphed = options["compile"].decode_step.graphed if "compile" in options else None
             rows.append({"feature": name, "dtype": str(dtype).removeprefix("torch."),
                          "tokens_equal": f"{same}/{sum(map(len, expected))}", "identical": got == expected,
+                         "cuda_graph_replays": graphed and graphed.replays,
                          "seconds": round(time.perf_counter() - start, 1)})
             print(rows[-1], flush=True)
     return {"rows": rows}
@@ -224,14 +227,100 @@ def decode_section(device: torch.device, quick: bool, compile: bool = False) -> 
     for batch in ((1, 4) if quick else (1, 64)):
         eager = decode_rate(model, lambda t, s: model(t, state=s), batch, device, 8 if quick else 32)
         row = {"batch": batch, "eager_tok_s": eager, "bytes_per_step": step_bytes(model, batch)}
-        if compile:
-            compiled = CompiledModel(model, batches=(batch,), sizes=(1,), tuned=False)
-            row["compiled_tok_s"] = decode_rate(model, compiled.decode, batch, device, 8 if quick else 32)
+        if compile:  # on CUDA: compiled steps launched from Python, then replayed as CUDA graphs
+            for name, graphs in (("compiled_tok_s", False), ("cuda_graph_tok_s", True)):
+                compiled = CompiledModel(model, batches=(batch,), sizes=(1,), tuned=False)
+                graphed = compiled.decode_step.graphed
+                if not graphs:
+                    compiled.decode_step.graphed = None
+                elif graphed is None:
+                    continue
+                row[name] = decode_rate(model, compiled.decode, batch, device, 8 if quick else 32)
+                if graphs:
+                    row["captures"] = graphed.captures
         if bandwidth:
             row["roofline_tok_s"] = batch * bandwidth / row["bytes_per_step"]
         rows.append(row)
         print(row, flush=True)
     return {"dtype": str(dtype), "hbm_bytes_per_s": bandwidth, "rows": rows}
+
+
+# ------------------------------------------------------------------------------------------------ prefill
+def perturbing_kda(model: K3ForCausalLM, relative: float = 4e-3) -> list:
+    """Forward hooks that multiply every KDA layer's output by ``1 + relative·N(0, 1)`` (seeded): how far a
+    bf16-sized change of KDA alone moves this model's logits — the scale `prefill_section`'s difference is read on."""
+    gen = torch.Generator(device=model.device).manual_seed(0)
+
+    def hook(module, inputs, output):  # noqa: ANN001, ANN202
+        y, state = output
+        noise = torch.randn(y.shape, generator=gen, device=y.device)
+        return (y.float() * (1 + relative * noise)).to(y.dtype), state
+    return [layer.mixer.register_forward_hook(hook) for layer in model.layers if layer.kind == "kda"]
+
+
+def prefill_section(device: torch.device, quick: bool) -> dict:
+    """A prompt's prefill on the model, KDA on `k3.ops.kda` (``K3_KDA_BACKEND=torch``) and on fla's kernels where
+    they are enabled (`k3.ops.kda_fla`): seconds and the largest logit difference relative to the logits' scale,
+    beside the difference a 0.4 % perturbation of every KDA output makes (`perturbing_kda`)."""
+    import os
+
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = K3ForCausalLM(preset("tiny" if quick else "small")).to(device=device, dtype=dtype).eval()
+    rows = []
+    for T in ((64,) if quick else (4096, 16384)):
+        ids = torch.randint(0, model.config.vocab_size, (1, T), device=device)
+        row, logits = {"T": T, "dtype": str(dtype).removeprefix("torch.")}, {}
+        for backend in ("torch", "auto"):
+            os.environ["K3_KDA_BACKEND"] = backend
+            with torch.inference_mode():
+                run = lambda ids=ids: model(ids, state=model.new_state(1))[0]  # noqa: E731
+                row[f"{backend}_s"] = timed(run, device, repeat=2)
+                logits[backend] = run().float()
+        os.environ["K3_KDA_BACKEND"] = "torch"
+        hooks = perturbing_kda(model)
+        with torch.inference_mode():
+            logits["perturbed"] = model(ids, state=model.new_state(1))[0].float()
+        for hook in hooks:
+            hook.remove()
+        os.environ.pop("K3_KDA_BACKEND")
+        scale = logits["torch"].abs().max()
+        row["max_diff_rel"] = ((logits["auto"] - logits["torch"]).abs().max() / scale).item()
+        row["perturbed_rel"] = ((logits["perturbed"] - logits["torch"]).abs().max() / scale).item()
+        row["speed_up"] = row["torch_s"] / row["auto_s"]
+        rows.append(row)
+        print(row, flush=True)
+    return {"auto": "fla" if device.type == "cuda" and kda_fla._available() else "torch", "rows": rows}
+
+
+# ------------------------------------------------------------------------------------------------ distributed
+def dist_section(device: torch.device, quick: bool) -> dict:
+    """`k3.dist.mesh.init_world` on this device, one process: the backend it picks (NCCL on CUDA) and an all-reduce
+    and all-gather through it."""
+    import os
+    import socket
+
+    import torch.distributed as dist
+
+    from k3.dist.layout import ParallelLayout
+    from k3.dist.mesh import init_world
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    world = init_world(ParallelLayout())
+    try:
+        x = torch.arange(4.0, device=world.device)
+        dist.all_reduce(x, group=world.group("dp_shard"))
+        gathered = [torch.empty_like(x)]
+        dist.all_gather(gathered, x)
+        row = {"backend": dist.get_backend(), "device": str(world.device), "all_reduce_ok": x.tolist() == [0, 1, 2, 3],
+               "all_gather_ok": gathered[0].tolist() == [0, 1, 2, 3]}
+    finally:
+        dist.destroy_process_group()
+    print(row, flush=True)
+    return {"rows": [row]}
 
 
 # ------------------------------------------------------------------------------------------------ training
@@ -329,9 +418,12 @@ def speculative_section(device: torch.device, quick: bool, target: str, draft: s
 
 def report(results: dict) -> str:
     """The README's tables from a results file."""
-    columns = {"equivalence": ["feature", "dtype", "tokens_equal", "identical"],
+    columns = {"equivalence": ["feature", "dtype", "tokens_equal", "identical", "cuda_graph_replays"],
                "decode": ["batch", "eager_tok_s", "roofline_tok_s", "bytes_per_step"],
-               "compiled_decode": ["batch", "eager_tok_s", "compiled_tok_s", "roofline_tok_s"],
+               "compiled_decode": ["batch", "eager_tok_s", "compiled_tok_s", "cuda_graph_tok_s", "captures",
+                                   "roofline_tok_s"],
+               "prefill": ["T", "dtype", "torch_s", "auto_s", "speed_up", "max_diff_rel", "perturbed_rel"],
+               "dist": ["backend", "device", "all_reduce_ok", "all_gather_ok"],
                "train": ["model", "total_params", "active_params", "batch", "seq", "tokens_s", "mfu", "peak_gib"],
                "speculative": ["workload", "drafter", "batch", "plain_tok_s", "spec_tok_s", "speed_up", "acceptance",
                                "greedy_equal"],
@@ -368,6 +460,8 @@ def main() -> None:
                 "train": lambda: train_section(device, args.quick),
                 "speculative": lambda: speculative_section(device, args.quick, args.target, args.draft),
                 "kda": lambda: kda_section(device, args.quick),
+                "prefill": lambda: prefill_section(device, args.quick),
+                "dist": lambda: dist_section(device, args.quick),
                 "compiled_decode": lambda: decode_section(device, args.quick, compile=True)}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -13,12 +13,14 @@ import sys
 
 import openai
 import pytest
+import torch
 from PIL import Image
 
 import serving
 from processes import rss_mib, start_server
 from k3.cli import main
 from k3.model.checkpoint import load_model, save_model
+from k3.serve.options import load, placement
 
 
 @pytest.fixture(scope="module")
@@ -213,3 +215,39 @@ def test_serving_runs_without_the_training_package(ckpt):
     done = subprocess.run([sys.executable, "-c", SERVE_WITHOUT_TRAINING, str(ckpt)], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("value", ["gpu", "tpu:0", "cuda:x"] + ([] if torch.cuda.is_available() else ["cuda"]))
+@pytest.mark.parametrize("command", ["generate", "serve", "chat"])
+def test_a_device_this_machine_lacks_is_refused_naming_the_flag(tmp_path, capsys, command, value):
+    with pytest.raises(SystemExit) as exit_:
+        main([command, "--ckpt", str(tmp_path), "--device", value])
+    assert exit_.value.code == 2 and "argument --device" in capsys.readouterr().err
+
+
+def test_placement_defaults_to_the_cuda_device_in_bf16_and_the_cpu_in_fp32():
+    device, dtype = placement()
+    if torch.cuda.is_available():
+        assert (device.type, dtype) == ("cuda", torch.bfloat16)
+    else:
+        assert (device.type, dtype) == ("cpu", torch.float32)
+    assert placement("cpu") == (torch.device("cpu"), torch.float32)
+    assert placement("cpu", "bfloat16") == (torch.device("cpu"), torch.bfloat16)
+
+
+def test_generate_in_bf16_loads_the_model_in_bf16_with_fp32_routers(ckpt, capsys):
+    model, _ = load(str(ckpt), device="cpu", dtype="bfloat16")
+    assert model.dtype == torch.bfloat16 and model.device.type == "cpu"
+    routers = [m.weight.dtype for m in model.modules() if type(m).__name__ == "Router"]
+    assert routers and set(routers) == {torch.float32}
+    assert main(["generate", "--ckpt", str(ckpt), "--prompt", "def", "--max-tokens", "5", "--seed", "0",
+                 "--dtype", "bfloat16", "--device", "cpu"]) == 0
+    assert capsys.readouterr().out.startswith("def")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (a lent GPU machine)")
+def test_generate_runs_on_cuda_by_default(ckpt, capsys):
+    model, _ = load(str(ckpt))
+    assert (model.device.type, model.dtype) == ("cuda", torch.bfloat16)
+    assert main(["generate", "--ckpt", str(ckpt), "--prompt", "def", "--max-tokens", "5", "--temperature", "0"]) == 0
+    assert capsys.readouterr().out.startswith("def")

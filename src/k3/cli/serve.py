@@ -9,13 +9,13 @@ import os
 import sys
 from pathlib import Path
 
-from k3.serve.options import EngineOptions, load, positive
+from k3.serve.options import EngineOptions, add_placement_arguments, load, positive
 
 
 def _generate(args: argparse.Namespace) -> int:
     from k3.generation import stream
 
-    model, tokenizer = load(args.ckpt, verify=not args.no_verify)
+    model, tokenizer = load(args.ckpt, not args.no_verify, args.device, args.dtype)
     prompt = tokenizer.encode(args.prompt) or [tokenizer.bos_id]
     compiled = None
     if EngineOptions.from_args(args).compile:  # the decode graph loaded from the on-disk cache, or compiled
@@ -97,7 +97,7 @@ def _serve(args: argparse.Namespace) -> int:
     limits = _limits(args)  # invalid limits are refused before the model is loaded
     options = EngineOptions.from_args(args)
     torch.set_num_threads(options.threads or max(1, (os.cpu_count() or 1) - 1))
-    engine = options.build(*load(args.ckpt, verify=not args.no_verify))
+    engine = options.build(*load(args.ckpt, not args.no_verify, args.device, args.dtype))
     if engine.compiled is not None:  # no graph is ever built inside a running batch's step
         seconds = engine.warm_up(background=not args.compile_wait)
         compiled, what = engine.compiled, (f"decode batches up to {engine.compiled.bucket(engine.max_batch)}, prefill "
@@ -134,7 +134,7 @@ def _chat(args: argparse.Namespace) -> int:
     from k3.chat import chat_format
     from k3.serve.engine import SamplingParams
 
-    engine = EngineOptions.from_args(args).build(*load(args.ckpt, verify=not args.no_verify))
+    engine = EngineOptions.from_args(args).build(*load(args.ckpt, not args.no_verify, args.device, args.dtype))
     tokenizer = engine.tokenizer
     fmt = chat_format(tokenizer)
     mode, history = args.mode, []
@@ -232,6 +232,7 @@ def _add_generate(commands: argparse._SubParsersAction) -> None:
     gen.add_argument("--top-p", type=float, default=0.95)
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int)
+    add_placement_arguments(gen)
     EngineOptions.add_generate_arguments(gen)
     gen.set_defaults(run=_generate)
 
@@ -244,6 +245,7 @@ def _add_engine_command(commands: argparse._SubParsersAction, name: str, help_: 
     sub.add_argument("--no-verify", action="store_true", help=_NO_VERIFY)
     sub.add_argument("--mode", choices=("thinking", "instruct"), default=mode,
                      help="the chat mode when a request does not choose one (default: %(default)s)")
+    add_placement_arguments(sub)
     EngineOptions.add_arguments(sub)
     sub.set_defaults(run=run)
     return sub

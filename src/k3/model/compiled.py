@@ -57,6 +57,7 @@ from torch import Tensor
 
 from k3.files import user_cache
 from k3.model.background import Gate
+from k3.model.cudagraph import GraphedDecode
 from k3.model.lm import K3ForCausalLM
 from k3.model.packed import PackedExperts
 from k3.model.precompiled import GraphFiles, forward_replayed, forward_step
@@ -130,6 +131,9 @@ class CompiledStep:
         self._weights = self._weights_version()
         self._graphs: dict[tuple, Callable] = {}  # precompiled: the graph of each shape key
         self._compiled = torch.compile(self._forward, backend=self._backend, dynamic=False)
+        # on CUDA a decode step replays a CUDA graph of its compiled function (`k3.model.cudagraph`)
+        cuda = model.device.type == "cuda" and not replayed and files is None
+        self.graphed, self._resets = (GraphedDecode() if cuda else None), _RESETS[0]
         # one code object holds every instance's graphs: dynamo's default of 8 would fall back to eager
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
 
@@ -155,9 +159,10 @@ class CompiledStep:
         """Inductor's options for a new graph: dynamo reads ``freezing`` while it traces, inductor on first call."""
         if not self.tuned:
             return {}
-        cpu = self.model.device.type == "cpu"
+        if self.model.device.type != "cpu":  # a CUDA graph replays the launches: no C++ wrapper or GEMM search
+            return {"freezing": True}
         return {"freezing": True, "max_autotune": True, "cpp_wrapper": True,  # the graph's calls made from C++ too
-                **({"max_autotune_gemm_backends": "CPP,ATEN"} if cpu else {})}
+                "max_autotune_gemm_backends": "CPP,ATEN"}
 
     def _weights_version(self) -> tuple[int, int]:
         """Where the weights live and how often they were written (what frozen graphs hold as constants). The list
@@ -184,7 +189,9 @@ class CompiledStep:
             _RESETS[0] += 1
         self._weights = weights
         tokens = input_ids.shape[1]
-        shape = (*input_ids.shape, cached(state, tokens), state.padding is None, state.depth is None,
+        windowed = self.graphed is not None and tokens == 1 and cached(state) >= 2
+        shape = (*input_ids.shape, "window" if windowed else cached(state, tokens), state.padding is None,
+                 state.depth is None,
                  frozenset(layer.latent.dtype if isinstance(layer, MLACache) else layer.recurrent.dtype
                            for layer in state.layers),
                  self.model.training, torch.get_num_threads(),  # a guard of dynamo's global state
@@ -194,6 +201,8 @@ class CompiledStep:
         cold, built = key not in self._warm, self.compilations
         if cold and _BACKGROUND[0] and not (self.gate and self.gate.on_thread()):
             return self._forward(input_ids, state)  # a step never compiles beside a background compilation
+        if windowed:
+            return self._run_graphed(key, shape, input_ids, state)
         slots = _slots(state, tokens)
         inputs = DecoderState([_graph_input(layer) for layer in slots], _optional(state.depth), 0,
                               _optional(state.padding))
@@ -208,6 +217,19 @@ class CompiledStep:
                   for out, before in zip(after.layers, slots, strict=True)]
         replay = None if after.replay is None else replace(after.replay, before=state)  # the caller's own state
         return logits, replace(after, layers=layers, position=state.position + tokens, replay=replay)
+
+    def _run_graphed(self, key: tuple, shape: tuple, input_ids: Tensor,
+                     state: DecoderState) -> tuple[Tensor, DecoderState]:
+        """A decode step replayed from a CUDA graph of the traced graph of ``key`` (its MLA caches as windows)."""
+        if self._resets != _RESETS[0]:  # the graphs were recorded with weights since replaced
+            self.graphed.clear()
+            self._resets = _RESETS[0]
+        built, start = self.compilations, time.perf_counter()
+        out = self.graphed(input_ids, state, lambda ids, inputs: self._run_traced(key, ids, inputs))
+        self._warm.add(key)
+        if self.compilations > built:
+            self.compile_seconds[shape] = time.perf_counter() - start
+        return out
 
     def _run_traced(self, key: tuple, input_ids: Tensor, inputs: DecoderState) -> tuple[Tensor, DecoderState]:
         """The graph of ``key`` through dynamo (compiled first if new). Frozen weights: the products of one

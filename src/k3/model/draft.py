@@ -317,7 +317,7 @@ class EagleDraft(nn.Module):
         if bad is not None:
             raise ValueError(f"{weights}: tensor {bad!r} has non-finite values (NaN or infinity)")
         draft.load_state_dict(tensors, strict=True)
-        return draft.to(target.device)
+        return draft.to(device=target.device, dtype=target.dtype)
 
 
 def _resolve(path: Path) -> Path:

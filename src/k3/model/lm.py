@@ -128,6 +128,11 @@ class K3ForCausalLM(nn.Module):
         """Where the model's weights are: the device of every tensor made for it (inputs, states, masks)."""
         return self.embed_tokens.weight.device
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The weights' floating-point type (the routers' stay fp32 whatever it is)."""
+        return self.embed_tokens.weight.dtype
+
     def new_state(self, batch_size: int, device: torch.device | str | None = None,
                   dtype: torch.dtype | None = None) -> DecoderState:
         """An empty state (no tokens consumed) for ``batch_size`` sequences."""

@@ -33,20 +33,62 @@ def positive(kind: type, zero: bool = False) -> Callable[[str], int | float]:
     return parse
 
 
-def load(path: str, verify: bool = True) -> tuple[Any, Any]:
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def device_type(text: str) -> str:
+    """An argparse type for ``--device``: ``auto``, or a device torch knows (``cpu``, ``cuda``, ``cuda:1``) that this
+    machine has."""
+    if text == "auto":
+        return text
+    import torch
+
+    try:
+        device = torch.device(text)
+    except RuntimeError as err:
+        raise argparse.ArgumentTypeError(f"expected auto, cpu, cuda or cuda:N, got {text!r}") from err
+    if device.type == "cuda" and not (torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count()):
+        raise argparse.ArgumentTypeError(f"{text}: no such CUDA device here ({torch.cuda.device_count()} visible)")
+    if device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"expected auto, cpu, cuda or cuda:N, got {text!r}")
+    return text
+
+
+def placement(device: str = "auto", dtype: str = "auto") -> tuple[Any, Any]:
+    """The torch device and dtype of ``--device`` / ``--dtype``: ``auto`` is CUDA where there is one, else the CPU;
+    bf16 on CUDA (as vLLM and the release) and fp32 on the CPU (whose kernels and tests are fp32)."""
+    import torch
+
+    where = torch.device("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else torch.device(device)
+    if dtype == "auto":
+        return where, torch.bfloat16 if where.type == "cuda" else torch.float32
+    return where, getattr(torch, dtype)
+
+
+def load(path: str, verify: bool = True, device: str = "auto", dtype: str = "auto") -> tuple[Any, Any]:
     """(model, tokenizer) of a released Kimi K3 directory (`K3ForCausalLM.from_pretrained`, its tiktoken
     tokenizer) or of a kimi-k3 checkpoint / run directory (``verify=False``: without its checksums,
-    `k3.model.checkpoint.load_model`)."""
+    `k3.model.checkpoint.load_model`), the model on ``device`` in ``dtype`` (`placement`; routers stay fp32)."""
     from k3.model.pretrained import is_release_dir
 
+    where, dtype_ = placement(device, dtype)
     if is_release_dir(path):
         from k3.model.lm import K3ForCausalLM
         from k3.tokenization.kimi import KimiTokenizer
 
-        return K3ForCausalLM.from_pretrained(path), KimiTokenizer.load(path)
+        return K3ForCausalLM.from_pretrained(path, dtype=dtype_).to(where), KimiTokenizer.load(path)
     from k3.model.checkpoint import load_model
 
-    return load_model(Path(path), verify)
+    model, tokenizer = load_model(Path(path), verify)
+    return model.to(device=where, dtype=dtype_), tokenizer
+
+
+def add_placement_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--device`` and ``--dtype`` (``k3 generate``, ``k3 serve``, ``k3 chat``)."""
+    parser.add_argument("--device", type=device_type, default="auto",
+                        help="where the model runs: auto (CUDA when there is one, else the CPU), cpu, cuda, cuda:N")
+    parser.add_argument("--dtype", choices=DTYPES, default="auto",
+                        help="the model's floating-point type: auto (bfloat16 on CUDA, float32 on the CPU), or one")
 
 
 @dataclass
@@ -169,4 +211,4 @@ class EngineOptions:
         if draft.config.vocab_size != target.config.vocab_size:
             raise ValueError(f"--draft {self.draft}: vocabulary {draft.config.vocab_size} differs from the target's "
                              f"{target.config.vocab_size}")
-        return ModelDrafter(draft.to(target.device), compile=self.compile)
+        return ModelDrafter(draft.to(device=target.device, dtype=target.dtype), compile=self.compile)

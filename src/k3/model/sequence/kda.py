@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from k3.config import K3Config
 from k3.model.norm import RMSNorm
 from k3.model.projections import project
-from k3.ops import kda
+from k3.ops import kda, kda_fla
 
 
 # `KDALayer._init_bounded_gate`: the bounded gate's initial σ(logit) is drawn from U[ε, 1 − ε].
@@ -194,8 +194,11 @@ class KDALayer(nn.Module):
         q, k, v, g, beta = replay.q, replay.k, replay.v, replay.g, replay.beta
         initial = None if state is None else state.recurrent
         if T == 1 and initial is not None:
-            o, final = kda.step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], initial)
+            o, final = (kda_fla.step if kda_fla.enabled(q, v) else kda.step)(q[:, 0], k[:, 0], v[:, 0], g[:, 0],
+                                                                             beta[:, 0], initial)
             o = o.unsqueeze(1)
+        elif kda_fla.enabled(q, v):  # fla's Triton kernels on CUDA (optional; `k3.ops.kda_fla`)
+            o, final = kda_fla.chunked(q, k, v, g, beta, initial)
         else:
             floor = self.g_min if self.gate == "bounded" else float("-inf")
             o, final = kda.chunked(q, k, v, g, beta, initial_state=initial, chunk_size=self.chunk_for(T),

@@ -31,7 +31,7 @@ from k3.config import K3Config
 from k3.model.norm import RMSNorm
 from k3.model.projections import project
 
-__all__ = ["MLACache", "MLASlots", "Storage", "GatedMLA"]
+__all__ = ["MLACache", "MLASlots", "MLAWindow", "Storage", "GatedMLA"]
 
 PATHS = ("full", "absorbed")
 RECORD_BLOCK = 512  # query rows per block when recording QK-clip's max logits
@@ -87,6 +87,8 @@ class MLACache:
     def length(self) -> int:
         """Number of cached tokens L."""
         return self.latent.shape[1]
+
+    end = None  # every position of the cache is an entry (an `MLAWindow` holds its entries' end as data)
 
     @property
     def storage(self) -> Storage | None:
@@ -153,6 +155,38 @@ class MLASlots:
         self.key_storage[:, self.length:end].copy_(shared_key)
         out = MLACache(self.latent_storage[:, :end], self.key_storage[:, :end])
         return out if self.storage is None else self.storage.advance(out)
+
+
+@dataclass(frozen=True)
+class MLAWindow:
+    """An MLA cache whose length is data, not a shape: entries at the positions before ``end`` (an int64 scalar
+    tensor) of ``latent_storage [B, C, r]`` and ``key_storage [B, C, s]``, the rest masked out of attention. A step
+    on it has the same shapes at every length, so one CUDA graph replays it (`k3.model.cudagraph`); attention spans
+    all C positions. Positions at or past ``end`` must hold finite values (they are multiplied by zero)."""
+
+    latent_storage: Tensor
+    key_storage: Tensor
+    end: Tensor
+
+    @property
+    def length(self) -> int:
+        """The window's capacity C: the positions attention spans (those at or past `end` masked)."""
+        return self.latent_storage.shape[1]
+
+    @property
+    def latent(self) -> Tensor:
+        return self.latent_storage
+
+    @property
+    def shared_key(self) -> Tensor:
+        return self.key_storage
+
+    def append(self, latent: Tensor, shared_key: Tensor) -> MLAWindow:
+        """Write ``[B, T, ·]`` entries in place at positions end … end+T−1 (indices computed on the device)."""
+        positions = self.end + torch.arange(latent.shape[1], device=self.end.device)
+        self.latent_storage.index_copy_(1, positions, latent)
+        self.key_storage.index_copy_(1, positions, shared_key)
+        return MLAWindow(self.latent_storage, self.key_storage, self.end + latent.shape[1])
 
 
 def _known_equal(a: int, b: int) -> bool:
@@ -268,17 +302,21 @@ class GatedMLA(nn.Module):
         return w[:, : self.nope_dim], w[:, self.nope_dim :]
 
     @staticmethod
-    def _visible(T: int, L: int, device: torch.device) -> Tensor:
-        """``[T, L]`` boolean mask: query i (absolute position L - T + i) sees cache positions ≤ L - T + i."""
-        return torch.arange(L, device=device) <= torch.arange(L - T, L, device=device)[:, None]
+    def _visible(T: int, L: int, device: torch.device, end: Tensor | None = None) -> Tensor:
+        """``[T, L]`` boolean mask: query i (absolute position E - T + i, E = ``end`` or L) sees cache positions
+        ≤ E - T + i."""
+        last = torch.arange(L - T, L, device=device) if end is None else end - T + torch.arange(T, device=device)
+        return torch.arange(L, device=device) <= last[:, None]
 
     @classmethod
-    def _mask(cls, T: int, L: int, padding: Tensor | None, device: torch.device) -> Tensor | None:
-        """Visibility ``[T, L]`` (``[B, 1, T, L]`` with padding), or None when everything is visible."""
+    def _mask(cls, T: int, L: int, padding: Tensor | None, device: torch.device,
+              end: Tensor | None = None) -> Tensor | None:
+        """Visibility ``[T, L]`` (``[B, 1, T, L]`` with padding), or None when everything is visible; ``end``: the
+        entries end there (`MLAWindow`), not at L."""
         if padding is None:
-            return None if T == 1 else cls._visible(T, L, device)
+            return None if T == 1 and end is None else cls._visible(T, L, device, end)
         real = torch.arange(L, device=device) >= padding.to(device)[:, None]  # [B, L]
-        return real[:, None, None, :] & cls._visible(T, L, device)
+        return real[:, None, None, :] & cls._visible(T, L, device, end)
 
     def _attend_full(self, q: Tensor, cache: MLACache, padding: Tensor | None = None) -> Tensor:
         """Per-head keys ``[c_kv W_uk_h ; k_s]`` and values ``c_kv W_uv_h`` for all L positions, then SDPA.
@@ -291,10 +329,10 @@ class GatedMLA(nn.Module):
         kv = self.kv_b_proj(cache.latent).view(B, L, H, self.nope_dim + self.v_dim).transpose(1, 2)
         k_content, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
         k = torch.cat([k_content, cache.shared_key.unsqueeze(1).expand(B, H, L, self.shared_dim)], dim=-1)
-        mask = self._mask(T, L, padding, q.device)
+        mask = self._mask(T, L, padding, q.device, cache.end)
         if self.record_max_logits:
             self._record_max_logits(q, k, mask)
-        causal = mask is not None and mask.dim() == 2 and _known_equal(L, T)
+        causal = mask is not None and mask.dim() == 2 and cache.end is None and _known_equal(L, T)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=None if causal else mask, is_causal=causal,
                                            scale=self.scale)
         return o.transpose(1, 2)
@@ -343,7 +381,7 @@ class GatedMLA(nn.Module):
         else:
             scores = torch.baddbmm(q_latent @ latent.transpose(1, 2), q_shared, shared_key.transpose(1, 2))
         scores = scores.view(B, H, T, -1) * self.scale
-        mask = self._mask(T, cache.length, padding, q.device)
+        mask = self._mask(T, cache.length, padding, q.device, cache.end)
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1).view(B, H * T, -1)
@@ -364,7 +402,7 @@ class GatedMLA(nn.Module):
             if padding is not None:
                 raise ValueError("padding: only meaningful with a state (a padded cache)")
             return
-        if not isinstance(state, MLACache | MLASlots):
+        if not isinstance(state, MLACache | MLASlots | MLAWindow):
             raise ValueError(f"state: expected an MLACache or None, got {type(state).__name__}")
         B = x.shape[0]
         for name, t, width in (("latent", state.latent, self.kv_lora_rank),
