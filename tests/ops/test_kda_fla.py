@@ -129,3 +129,14 @@ def test_the_fla_kernels_trace_whole_into_a_compiled_graph():
         assert torch.equal(got, want)
     assert not counters["graph_break"]
 
+
+
+def test_availability_traces_as_the_last_eager_answer_without_importing(monkeypatch):
+    """Inside a compiled graph `_available` imports nothing and reads no environment: it is the last eager answer."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("K3_KDA_BACKEND", "torch")
+    assert not kda_fla._available()
+    counters.clear()
+    traced = torch.compile(lambda x: x + 1 if kda_fla._available() else x - 1, fullgraph=True, backend="eager")
+    assert torch.equal(traced(torch.zeros(2)), -torch.ones(2)) and not counters["graph_break"]

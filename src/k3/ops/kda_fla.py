@@ -35,7 +35,7 @@ def _setting() -> str:
     return value
 
 
-_MODULE: dict[str, object] = {}  # "kda": fla.ops.kda once imported; "error": why it did not import
+_MODULE: dict[str, object] = {}  # "kda": fla.ops.kda once imported; "error": why not; "use": `_available`'s last
 
 
 def _fla():  # noqa: ANN202
@@ -48,16 +48,16 @@ def _fla():  # noqa: ANN202
     return _MODULE["kda"]
 
 
-@torch.compiler.assume_constant_result
 def _available() -> bool:
     """fla is to be used where it can: ``K3_KDA_BACKEND`` is not ``torch`` and fla imports (``fla``: or an error).
-    A constant to `torch.compile` (resolved once, while tracing)."""
+    While `torch.compile` traces, the answer of the last call outside it (no import inside a graph; none yet: no)."""
+    if torch.compiler.is_compiling():
+        return bool(_MODULE.get("use", False))
     setting = _setting()
-    if setting == "torch":
-        return False
-    if _fla() is None and setting == "fla":
+    if setting != "torch" and _fla() is None and setting == "fla":
         raise RuntimeError(f"K3_KDA_BACKEND=fla but fla.ops.kda does not import ({_MODULE['error']})")
-    return _fla() is not None
+    _MODULE["use"] = setting != "torch" and _fla() is not None
+    return _MODULE["use"]
 
 
 def enabled(q: Tensor, v: Tensor) -> bool:
