@@ -1,6 +1,7 @@
 """The training commands of ``k3``: ``k3 train`` (SPEC §7), ``k3 eval``, ``k3 convert-ckpt``, ``k3 train-draft``
-(an EAGLE-3 draft) and ``k3 quantize`` (the release's MXFP4 experts). The training package is imported only when a
-command runs: ``k3 serve`` never loads it."""
+(an EAGLE-3 draft), ``k3 quantize`` (the release's MXFP4 experts) and ``k3 export`` (the release layout with a Hugging
+Face tokenizer, `k3.interop.export`). The training package is imported only when a command runs: ``k3 serve``
+never loads it."""
 
 from __future__ import annotations
 
@@ -221,6 +222,24 @@ def _add_eval(commands: argparse._SubParsersAction) -> None:
     ev.set_defaults(run=_eval)
 
 
+def _export(args: argparse.Namespace) -> int:
+    from k3.interop.export import export
+
+    written = export(Path(args.ckpt), Path(args.out), verify=not args.no_verify)
+    print(f"k3 export: {len(written)} files in {args.out} (the release layout and a Hugging Face tokenizer with the "
+          f"chat template)")
+    return 0
+
+
+def _add_export(commands: argparse._SubParsersAction) -> None:
+    ex = commands.add_parser("export", help="a checkpoint in the release layout with a Hugging Face tokenizer and "
+                             "chat template (transformers, vLLM, SGLang, mlx-lm)")
+    ex.add_argument("--ckpt", required=True, help="a run or checkpoint directory")
+    ex.add_argument("--out", required=True, help="the new directory (must not exist)")
+    ex.add_argument("--no-verify", action="store_true", help="load the checkpoint without checking its checksums")
+    ex.set_defaults(run=_export)
+
+
 def _add_quantize(commands: argparse._SubParsersAction) -> None:
     qz = commands.add_parser("quantize", help="pack a checkpoint's routed experts as MXFP4 (the release's layout)")
     qz.add_argument("--ckpt", required=True, help="a run or checkpoint directory")
@@ -232,6 +251,6 @@ def _add_quantize(commands: argparse._SubParsersAction) -> None:
 
 
 def add_commands(commands: argparse._SubParsersAction) -> None:
-    """Register ``train``, ``convert-ckpt``, ``train-draft``, ``eval`` and ``quantize``."""
-    for add in (_add_train, _add_convert_ckpt, _add_train_draft, _add_eval, _add_quantize):
+    """Register ``train``, ``convert-ckpt``, ``train-draft``, ``eval``, ``quantize`` and ``export``."""
+    for add in (_add_train, _add_convert_ckpt, _add_train_draft, _add_eval, _add_quantize, _add_export):
         add(commands)

@@ -67,16 +67,20 @@ def placement(device: str = "auto", dtype: str = "auto") -> tuple[Any, Any]:
 
 def load(path: str, verify: bool = True, device: str = "auto", dtype: str = "auto") -> tuple[Any, Any]:
     """(model, tokenizer) of a released Kimi K3 directory (`K3ForCausalLM.from_pretrained`, its tiktoken
-    tokenizer) or of a kimi-k3 checkpoint / run directory (``verify=False``: without its checksums,
-    `k3.model.checkpoint.load_model`), the model on ``device`` in ``dtype`` (`placement`; routers stay fp32)."""
+    tokenizer, or ours in a ``k3 export`` directory) or of a kimi-k3 checkpoint / run directory (``verify=False``:
+    without its checksums, `k3.model.checkpoint.load_model`), the model on ``device`` in ``dtype`` (`placement`;
+    routers stay fp32)."""
     from k3.model.pretrained import is_release_dir
 
     where, dtype_ = placement(device, dtype)
     if is_release_dir(path):
         from k3.model.lm import K3ForCausalLM
-        from k3.tokenization.kimi import KimiTokenizer
+        from k3.tokenization.bpe import Tokenizer
+        from k3.tokenization.kimi import MODEL_FILE, KimiTokenizer
 
-        return K3ForCausalLM.from_pretrained(path, dtype=dtype_).to(where), KimiTokenizer.load(path)
+        # the release's tiktoken tokenizer, or ours where `k3 export` wrote the directory
+        tokenizer = KimiTokenizer.load(path) if (Path(path) / MODEL_FILE).exists() else Tokenizer.load(path)
+        return K3ForCausalLM.from_pretrained(path, dtype=dtype_).to(where), tokenizer
     from k3.model.checkpoint import load_model
 
     model, tokenizer = load_model(Path(path), verify)
