@@ -40,6 +40,8 @@ from k3.model.packed import PackedExperts, replace_experts
 from k3.model.width import Experts
 from k3.ops import mx
 
+HOST = torch.device("cpu")  # routing plans (placements, flows) are made on the host: small, read by Python
+
 
 @dataclass(frozen=True, eq=False)
 class Placement:
@@ -78,8 +80,9 @@ def _check_load(load: Tensor, ep: int) -> None:
 def _home(load: Tensor, ep: int) -> Placement:
     """Every expert's whole load on its owner: plain EP."""
     n = load.numel()
-    amounts = torch.zeros(ep, n, dtype=torch.long)
-    amounts[torch.arange(n) // (n // ep), torch.arange(n)] = load.cpu().long()
+    amounts = torch.zeros(ep, n, dtype=torch.long, device=HOST)
+    experts = torch.arange(n, device=HOST)
+    amounts[experts // (n // ep), experts] = load.cpu().long()
     return Placement(amounts)
 
 
@@ -106,7 +109,7 @@ def _plan(load: Tensor, ep: int, capacity: int, redundant_slots: int) -> Placeme
             need -= take
     for e, n in enumerate(left):
         amounts[e // per][e] += n
-    placement = Placement(torch.tensor(amounts, dtype=torch.long).reshape(ep, len(loads)))
+    placement = Placement(torch.tensor(amounts, dtype=torch.long, device=HOST).reshape(ep, len(loads)))
     for r in range(ep):
         if (used := len(placement.copies(r))) > redundant_slots:
             raise ValueError(f"this load needs {used} redundant slots on rank {r}, more than redundant_slots = "
@@ -288,7 +291,7 @@ class ExpertParallelExperts(Experts):
         n, k, me, ep, dev = self.num_experts, indices.shape[1], self.rank, self.ep, x.device
         flat = indices.reshape(-1)
         order = torch.argsort(flat, stable=True)  # by expert, as `Experts.forward`
-        dest = torch.repeat_interleave(torch.arange(ep).repeat(n), flows[me].T.reshape(-1)).to(dev)
+        dest = torch.repeat_interleave(torch.arange(ep, device=HOST).repeat(n), flows[me].T.reshape(-1)).to(dev)
         send = order[torch.argsort(dest * n + flat[order], stable=True)]  # by destination, then expert
         send_rows, recv_rows = flows[me].sum(1).tolist(), flows[:, me].sum(1).tolist()
         hosted = self.placement.copies(me)
@@ -305,7 +308,8 @@ class ExpertParallelExperts(Experts):
         F, W = self.hidden, self.width
         gate_up, down = recv_w.split([2 * F * W, W * F], 1)
         self._copies = {e: (gate_up[i].view(2 * F, W), down[i].view(W, F)) for i, e in enumerate(hosted)}
-        by_expert = torch.argsort(torch.repeat_interleave(torch.arange(n).repeat(ep), flows[:, me].reshape(-1)),
+        by_expert = torch.argsort(torch.repeat_interleave(torch.arange(n, device=HOST).repeat(ep),
+                                                          flows[:, me].reshape(-1)),
                                   stable=True).to(dev)
         xs = recv_x[by_expert]
         try:

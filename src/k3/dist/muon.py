@@ -69,13 +69,18 @@ def grad_norm(params: Iterable[Tensor], extra: dict[DeviceMesh, dist.ProcessGrou
             dims = tuple(d for d, placement in enumerate(g.placements) if isinstance(placement, Shard))
         entry = groups.setdefault((id(mesh), dims), [mesh, dims, 0.0])
         entry[2] = entry[2] + local.detach().float().pow(2).sum()
-    norm2 = torch.zeros(())
+    totals = []
     for mesh, dims, total in groups.values():
         for d in dims:
             dist.all_reduce(total, group=mesh.get_group(d))
         if extra and mesh is not None and mesh in extra:
             dist.all_reduce(total, group=extra[mesh])
-        norm2 = norm2.to(total.device) + total
+        totals.append(total)
+    if not totals:  # no gradient anywhere: nothing tells the device
+        return torch.zeros((), device="cpu")
+    norm2 = totals[0]
+    for total in totals[1:]:
+        norm2 = norm2 + total.to(norm2.device)
     return norm2.sqrt()
 
 

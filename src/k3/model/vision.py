@@ -123,7 +123,7 @@ class PatchEmbed(nn.Module):
         return table
 
     def forward(self, pixel_values: Tensor, grids: list[Grid]) -> Tensor:
-        x = F.linear(pixel_values.to(self.proj.weight.dtype), self.proj.weight.flatten(1))
+        x = F.linear(pixel_values.to(self.proj.weight.device, self.proj.weight.dtype), self.proj.weight.flatten(1))
         return x + torch.cat([self.positions(g) for g in grids])
 
 

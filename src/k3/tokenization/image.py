@@ -171,7 +171,9 @@ def video_inputs(frames: list[Image.Image], patch_budget: int, max_frames: int) 
 
 
 def batch(inputs: list[VisualInput]) -> tuple[Tensor, Tensor]:
-    """Pack inputs for `k3.model.vision.VisionModel`: ``(pixel_values [Σ L, 3·p·p], grid_thw [N, 3])``."""
+    """Pack inputs for `k3.model.vision.VisionModel`: ``(pixel_values [Σ L, 3·p·p], grid_thw [N, 3])``, on the host
+    (the model moves them to its device)."""
     if not inputs:
-        return torch.zeros(0, 3 * PATCH * PATCH), torch.zeros(0, 3, dtype=torch.long)
-    return torch.cat([i.pixel_values for i in inputs]), torch.tensor([i.grid for i in inputs], dtype=torch.long)
+        return torch.zeros(0, 3 * PATCH * PATCH, device="cpu"), torch.zeros(0, 3, dtype=torch.long, device="cpu")
+    return torch.cat([i.pixel_values for i in inputs]), torch.tensor([i.grid for i in inputs], dtype=torch.long,
+                                                                      device="cpu")

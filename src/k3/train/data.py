@@ -64,6 +64,8 @@ def _unit_hash(seed: int, name: str) -> float:
 
 
 #: The fewest characters a document needs to be cut into a training and a validation window.
+#: Batches are made on the host and moved to the model's device by the trainer (`k3.train.pretrain.Run.share`).
+HOST = torch.device("cpu")
 MIN_SPLIT_CHARS = 2
 
 
@@ -267,7 +269,7 @@ class PackedLoader:
             from k3.tokenization.bpe import NUM_SPECIAL_TOKENS
 
             special_ids = range(NUM_SPECIAL_TOKENS)
-        self._special = torch.tensor(sorted({int(i) for i in special_ids}), dtype=torch.int64)
+        self._special = torch.tensor(sorted({int(i) for i in special_ids}), dtype=torch.int64, device=HOST)
         self._check_seq_len(seq_len)
         self.seq_len = int(seq_len)
         self.epoch = 0
@@ -316,7 +318,7 @@ class PackedLoader:
             n = self._corpus.num_docs
             if self.shuffle:
                 g = torch.Generator().manual_seed(self.seed + self.epoch)
-                order = torch.randperm(n, generator=g).tolist()
+                order = torch.randperm(n, generator=g, device=HOST).tolist()
             else:
                 order = list(range(n))
             self._tokens, self._starts = self._corpus.stream(order)
@@ -337,8 +339,8 @@ class PackedLoader:
             self.epoch += 1
             self.position = 0
         tokens, starts = self._epoch_stream()
-        base = torch.arange(b, dtype=torch.int64)[:, None] * shard + self.position
-        idx = base + torch.arange(t + 1, dtype=torch.int64)[None, :]
+        base = torch.arange(b, dtype=torch.int64, device=HOST)[:, None] * shard + self.position
+        idx = base + torch.arange(t + 1, dtype=torch.int64, device=HOST)[None, :]
         window = tokens[idx]
         inputs, targets = window[:, :-1].contiguous(), window[:, 1:].contiguous()
         special = self._special if self.mask_special else None
@@ -419,18 +421,19 @@ def eval_batches(
     n = tokens.numel()
     n_win = max(1, -(-(n - 1) // seq_len))
     total = n_win * seq_len + 1
-    padded = torch.full((total,), int(pad_id), dtype=torch.int64)
+    padded = torch.full((total,), int(pad_id), dtype=torch.int64, device=HOST)
     padded[:n] = tokens
-    valid = torch.zeros(total, dtype=torch.bool)
+    valid = torch.zeros(total, dtype=torch.bool, device=HOST)
     valid[:n] = True
-    st = torch.zeros(total, dtype=torch.bool)
+    st = torch.zeros(total, dtype=torch.bool, device=HOST)
     st[:n] = starts
     if special_ids is None:
         from k3.tokenization.bpe import NUM_SPECIAL_TOKENS
 
         special_ids = range(NUM_SPECIAL_TOKENS)
-    special = torch.tensor(sorted({int(i) for i in special_ids}), dtype=torch.int64) if mask_special else None
-    idx = torch.arange(n_win)[:, None] * seq_len + torch.arange(seq_len + 1)[None, :]
+    special = (torch.tensor(sorted({int(i) for i in special_ids}), dtype=torch.int64, device=HOST) if mask_special
+               else None)
+    idx = torch.arange(n_win, device=HOST)[:, None] * seq_len + torch.arange(seq_len + 1, device=HOST)[None, :]
     inputs, targets = padded[idx[:, :-1]], padded[idx[:, 1:]]
     mask = _target_mask(targets, st[idx[:, 1:]], special) & valid[idx[:, 1:]]
     out = []

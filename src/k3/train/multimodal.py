@@ -25,6 +25,7 @@ from torch import Tensor
 
 from k3.tokenization.image import VisualInput, batch, image_input, video_inputs
 from k3.tokenization.bpe import Tokenizer
+from k3.train.data import HOST
 
 COLOURS = {"red": (220, 40, 40), "green": (40, 160, 60), "blue": (40, 80, 220), "yellow": (225, 200, 30),
            "purple": (140, 60, 180), "orange": (240, 140, 30)}
@@ -160,9 +161,9 @@ def batch_examples(examples: list[Example], tokenizer: Tokenizer, media_id: int
         slots = [media_id] * sum(v.tokens for v in ex.visuals)
         rows.append([tokenizer.bos_id, *slots, *tokenizer.encode(ex.text), tokenizer.eos_id])
     length = max(len(r) for r in rows)
-    ids = torch.full((len(rows), length), tokenizer.pad_id, dtype=torch.long)
+    ids = torch.full((len(rows), length), tokenizer.pad_id, dtype=torch.long, device=HOST)
     for i, row in enumerate(rows):
-        ids[i, :len(row)] = torch.tensor(row)
+        ids[i, :len(row)] = torch.tensor(row, device=HOST)
     inputs, targets = ids[:, :-1], ids[:, 1:]
     mask = (targets != media_id) & (targets != tokenizer.pad_id)
     return inputs, targets, mask, batch([v for ex in examples for v in ex.visuals])
