@@ -120,3 +120,52 @@ def test_the_engine_serves_packed_experts_off_no_other_device(model, request) ->
     expected = run(Engine(m, serving.tokenizer()))
     request.getfixturevalue("meta_default")
     assert run(Engine(m, serving.tokenizer())) == expected
+
+
+def test_structured_output_makes_no_tensor_off_the_models_device(model, request) -> None:
+    """A JSON-schema grammar (`k3.serve.engine.structured`) masks every step's logits: greedy and sampled rows."""
+    from k3.serve.engine.structured import Grammars
+
+    tok = serving.tokenizer()
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    grammars = Grammars(tok)
+    try:
+        factory = grammars.constraint(schema, (tok.eos_id,))
+        params = [SamplingParams(max_tokens=12, temperature=0.0, constraint=factory),
+                  SamplingParams(max_tokens=12, temperature=0.9, seed=5, constraint=factory)]
+
+        def both() -> list[list[int]]:
+            engine = Engine(model, tok)
+            try:
+                return [[t for o in engine.generate(serving.prompts()[3], p) for t in o.token_ids] for p in params]
+            finally:
+                engine.stop()
+        expected = both()
+        assert all(expected)
+        request.getfixturevalue("meta_default")
+        assert both() == expected
+    finally:
+        grammars.close()
+
+
+def test_images_through_the_engine_make_no_tensor_off_the_models_device(model, request) -> None:
+    """An image request: the image processor's host tensors reach the vision tower on the model's device."""
+    from PIL import Image
+
+    from k3.tokenization.image import image_input
+
+    tok = serving.tokenizer()
+    picture = Image.new("RGB", (60, 40), (200, 30, 40))
+    visual = image_input(picture, model.config.vision.patch_budget)
+    prompt = [tok.bos_id] + [tok.special_id("media")] * visual.tokens + tok.encode("colour:")
+
+    def generate() -> list[int]:
+        engine = Engine(model, tok)
+        try:
+            return [t for o in engine.generate(prompt, SamplingParams(max_tokens=8, temperature=0.0), images=[visual])
+                    for t in o.token_ids]
+        finally:
+            engine.stop()
+    expected = generate()
+    request.getfixturevalue("meta_default")
+    assert generate() == expected

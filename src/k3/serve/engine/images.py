@@ -37,4 +37,4 @@ def image_digest(images: list[VisualInput]) -> str:
 def prompt_embeddings(model: K3ForCausalLM, prompt: list[int], images: list[VisualInput]) -> Tensor:
     """``[T, d]`` embeddings of ``prompt`` with ``images`` encoded into its placeholders (`embed_multimodal`)."""
     pixels, grids = batch(images)
-    return model.embed_multimodal(torch.tensor([prompt]), pixels, grids)[0]
+    return model.embed_multimodal(torch.tensor([prompt], device=model.device), pixels, grids)[0]
