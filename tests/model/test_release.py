@@ -254,3 +254,21 @@ def test_a_missing_or_misshaped_tensor_is_named(tmp_path):
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(ValueError, match=rf"'{name}' has shape \[10\], expected \[64\]"):
         _ours(tmp_path)
+
+
+def test_release_tiny_has_the_peer_kernels_shapes_and_round_trips_through_mlx_lm(tmp_path):
+    """``release-tiny`` (issue 39, item 5): MLA latent 512 + shared key 64 (vLLM's fused MLA decode, 576 wide) and KDA
+    K = V = 128 (FlashKDA), in the release layout: saved, it loads in mlx-lm and in kimi-k3 with the same logits."""
+    mx = pytest.importorskip("mlx.core")
+    load_model = pytest.importorskip("mlx_lm.utils").load_model
+    config = preset("release-tiny")
+    assert (config.mla.kv_lora_rank, config.mla.qk_shared_head_dim) == (512, 64)
+    assert config.kda.head_dim == config.kda.value_head_dim == 128
+    torch.manual_seed(0)
+    K3ForCausalLM(config).eval().save_pretrained(tmp_path)
+    theirs, _ = load_model(tmp_path)
+    theirs.set_dtype(mx.float32)
+    expected = np.array(theirs(mx.array([PROMPT])).astype(mx.float32))
+    with torch.no_grad():
+        ours = _ours(tmp_path)(torch.tensor([PROMPT]))[0].numpy()
+    assert np.abs(ours - expected).max() <= 1e-4 * max(1.0, np.abs(expected).max())

@@ -1,5 +1,5 @@
-"""The presets (SPEC §0): ``paper`` (the published Kimi K3), ``tiny``, ``mini`` and ``small``; the published
-figures the paper preset is audited against, and where the release or our assumptions fixed a value."""
+"""The presets (SPEC §0): ``paper`` (the published Kimi K3), ``tiny``, ``mini``, ``small`` and ``release-tiny``; the
+published figures the paper preset is audited against, and where the release or our assumptions fixed a value."""
 
 from __future__ import annotations
 
@@ -60,7 +60,8 @@ RELEASE_DECISIONS: dict[str, str] = {
 # ---------------------------------------------------------------------- presets
 def preset(name: str) -> K3Config:
     """`"paper"` (SPEC §0 exactly), `"tiny"` (unit tests), `"mini"` (`make demo`: 2.3M parameters, the best
-    validation loss after five minutes on 2 cores of the shapes measured) or `"small"` (13.6M)."""
+    validation loss after five minutes on 2 cores of the shapes measured), `"small"` (13.6M) or `"release-tiny"` (the
+    dimensions the peers' kernels need — MLA latent 512 + shared 64, KDA K = V = 128 — in the release's layout)."""
     if name == "paper":
         return K3Config()
     if name == "tiny":
@@ -117,7 +118,25 @@ def preset(name: str) -> K3Config:
                                 media_token_id=MEDIA_TOKEN_ID),
             mx=MXConfig(enabled=False),  # full precision; `k3 train --qat mx` turns MX on
         )
+    if name == "release-tiny":  # `small`'s scale with the kernels' shapes: vLLM / SGLang serve what it trains
+        return K3Config(
+            vocab_size=4096,
+            hidden_size=256,
+            num_layers=4,
+            context_length=8192,
+            kda=KDAConfig(num_heads=2, head_dim=128, value_head_dim=128, decay_rank=128, a_log_size=None,
+                          chunk_size=64),  # FlashKDA: K = V = 128; the release's decay rank = head_dim
+            mla=MLAConfig(num_heads=2, q_lora_rank=128, kv_lora_rank=512, qk_nope_head_dim=128,
+                          qk_shared_head_dim=64, v_head_dim=128),  # fused MLA decode: 512 latent + 64 shared (rope)
+            attn_res=AttnResConfig(block_size=2),
+            moe=MoEConfig(num_experts=8, num_experts_per_token=2, num_shared_experts=1, expert_hidden=128,
+                          shared_hidden=128, latent_dim=128, first_k_dense=1, dense_hidden=512),
+            vision=VisionConfig(num_layers=2, hidden_size=64, num_heads=2, head_dim=None, mlp_hidden=256,
+                                pos_emb_size=16, out_dim=256, patch_budget=1024,
+                                media_token_id=MEDIA_TOKEN_ID),
+            mx=MXConfig(enabled=False),  # full precision; `k3 train --qat mx` turns MX on
+        )
     raise ValueError(f"unknown preset {name!r}; expected one of {PRESETS}")
 
 
-PRESETS = ("paper", "tiny", "mini", "small")
+PRESETS = ("paper", "tiny", "mini", "small", "release-tiny")
