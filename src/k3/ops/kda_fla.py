@@ -1,9 +1,9 @@
 """fla's Triton KDA kernels as an optional backend on CUDA (issue 39; fla-core 0.6.0, ``fla.ops.kda``).
 
-`k3.model.sequence.kda.KDA` runs a prompt's recurrence through fla's ``chunk_kda`` and a decode step through its
+`k3.model.sequence.kda.KDALayer` runs a prompt's recurrence through fla's ``chunk_kda`` and a decode step through its
 ``fused_recurrent_kda`` where `enabled` says so: a CUDA tensor, fla importable and ``K3_KDA_BACKEND`` not ``torch``
 (``auto``, the default, uses fla when it imports; ``fla`` makes a failed import an error). Everything else — the CPU,
-fp64, key widths above fla's 256, compiled graphs, no fla — runs `k3.ops.kda`, which the tests hold to the loop oracle.
+fp64, key widths above fla's 256, training, no fla — runs `k3.ops.kda`, which the tests hold to the loop oracle.
 fla computes the same recurrence (SPEC §1, Eq. 1) with the same layout (``[B, T, H, K]``, state ``[B, H, K, V]``) and
 already-activated log-decay ``g``; its products run on tensor cores (TF32 in fp32), so it agrees with `k3.ops.kda`
 within `TOLERANCE` of the output's largest magnitude rather than to fp32 rounding (measured: ``benchmarks/gpu.py``).
@@ -54,7 +54,7 @@ def _available() -> bool:
     if torch.compiler.is_compiling():
         return bool(_MODULE.get("use", False))
     setting = _setting()
-    if setting != "torch" and _fla() is None and setting == "fla":
+    if setting == "fla" and _fla() is None:
         raise RuntimeError(f"K3_KDA_BACKEND=fla but fla.ops.kda does not import ({_MODULE['error']})")
     _MODULE["use"] = setting != "torch" and _fla() is not None
     return _MODULE["use"]
