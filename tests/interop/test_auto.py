@@ -106,3 +106,9 @@ def test_a_right_padded_mask_is_refused(exported):
     model = transformers.AutoModelForCausalLM.from_pretrained(exported)
     with pytest.raises(ValueError, match="left padding"):
         model(torch.tensor([[5, 6, 7]]), attention_mask=torch.tensor([[1, 1, 0]]))
+
+
+def test_outputs_we_do_not_compute_are_refused(exported):
+    model = transformers.AutoModelForCausalLM.from_pretrained(exported)
+    with pytest.raises(ValueError, match="output_attentions"):
+        model(torch.tensor([[5, 6, 7]]), output_attentions=True)

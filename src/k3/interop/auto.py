@@ -110,7 +110,11 @@ class KimiK3ForCausalLM(PreTrainedModel, GenerationMixin):
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, cache: DecoderState | None = None,
                 labels: Tensor | None = None, use_cache: bool | None = None, **kwargs) -> KimiK3Output:
         """Logits of every position of ``input_ids`` ``[B, T]`` (after ``cache``), the loss of ``labels`` (shifted
-        inside, -100 ignored), and the state after them when ``use_cache`` is not False."""
+        inside, -100 ignored), and the state after them when ``use_cache`` is not False. Positions need no ids (no
+        rotary embedding: NoPE MLA and KDA); embeddings in, attentions or hidden states out are refused."""
+        unsupported = [k for k in ("inputs_embeds", "output_attentions", "output_hidden_states") if kwargs.get(k)]
+        if unsupported:
+            raise ValueError(f"KimiK3ForCausalLM.forward: {', '.join(unsupported)} not supported")
         if cache is None and attention_mask is not None and not bool(attention_mask.all()):
             logits, cache = self._prefill_left_padded(input_ids, attention_mask)
         else:
