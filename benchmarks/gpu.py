@@ -297,19 +297,12 @@ def prefill_section(device: torch.device, quick: bool) -> dict:
 def dist_section(device: torch.device, quick: bool) -> dict:
     """`k3.dist.mesh.init_world` on this device, one process: the backend it picks (NCCL on CUDA) and an all-reduce
     and all-gather through it."""
-    import os
-    import socket
-
     import torch.distributed as dist
 
-    from k3.dist.layout import ParallelLayout
-    from k3.dist.mesh import init_world
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from gloo import free_port, join  # the distributed tests' rendezvous (`benchmarks/distributed.py` uses it too)
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    world = init_world(ParallelLayout())
+    world = join(0, 1, free_port(), {})
     try:
         x = torch.arange(4.0, device=world.device)
         dist.all_reduce(x, group=world.group("dp_shard"))

@@ -39,8 +39,7 @@ def write_tokenizer(tokenizer: Tokenizer, directory: Path, context_length: int) 
         "chat_template": CHAT_TEMPLATE,
     }
     end_ids = [tokenizer.special_id("end"), tokenizer.eos_id]  # `k3.chat.native.stop_ids`
-    generation = {"bos_token_id": tokenizer.bos_id, "eos_token_id": end_ids, "pad_token_id": SPECIAL_TOKENS.index(
-        "<|pad|>")}
+    generation = {"bos_token_id": tokenizer.bos_id, "eos_token_id": end_ids, "pad_token_id": tokenizer.pad_id}
     paths = [tokenizer.save(directory), directory / TOKENIZER_CONFIG, directory / GENERATION_CONFIG]
     write_text(paths[1], json.dumps(config, indent=2, ensure_ascii=False))
     write_text(paths[2], json.dumps(generation, indent=2))

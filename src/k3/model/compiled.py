@@ -201,35 +201,34 @@ class CompiledStep:
         cold, built = key not in self._warm, self.compilations
         if cold and _BACKGROUND[0] and not (self.gate and self.gate.on_thread()):
             return self._forward(input_ids, state)  # a step never compiles beside a background compilation
-        if windowed:
-            return self._run_graphed(key, shape, input_ids, state)
-        slots = _slots(state, tokens)
-        inputs = DecoderState([_graph_input(layer) for layer in slots], _optional(state.depth), 0,
-                              _optional(state.padding))
         start = time.perf_counter()
-        run = self._run_precompiled if self.precompiled else self._run_traced
-        logits, after = run(key, _canonical(input_ids), inputs)
+        out = (self._run_graphed if windowed else self._run_slots)(key, input_ids, state)
         self._warm.add(key)
         if self.compilations > built:
             self.compile_seconds[shape] = time.perf_counter() - start
+        return out
+
+    def _run_slots(self, key: tuple, input_ids: Tensor, state: DecoderState) -> tuple[Tensor, DecoderState]:
+        """The step of ``key`` on the MLA caches as `MLASlots` (the graph writes their new entries in place), on its
+        traced or precompiled graph."""
+        tokens = input_ids.shape[1]
+        slots = _slots(state, tokens)
+        inputs = DecoderState([_graph_input(layer) for layer in slots], _optional(state.depth), 0,
+                              _optional(state.padding))
+        run = self._run_precompiled if self.precompiled else self._run_traced
+        logits, after = run(key, _canonical(input_ids), inputs)
         # the graph's output caches view the storage it wrote into: tie them to it, now that much longer
         layers = [before.storage.advance(out) if isinstance(before, MLASlots) else out
                   for out, before in zip(after.layers, slots, strict=True)]
         replay = None if after.replay is None else replace(after.replay, before=state)  # the caller's own state
         return logits, replace(after, layers=layers, position=state.position + tokens, replay=replay)
 
-    def _run_graphed(self, key: tuple, shape: tuple, input_ids: Tensor,
-                     state: DecoderState) -> tuple[Tensor, DecoderState]:
+    def _run_graphed(self, key: tuple, input_ids: Tensor, state: DecoderState) -> tuple[Tensor, DecoderState]:
         """A decode step replayed from a CUDA graph of the traced graph of ``key`` (its MLA caches as windows)."""
         if self._resets != _RESETS[0]:  # the graphs were recorded with weights since replaced
             self.graphed.clear()
             self._resets = _RESETS[0]
-        built, start = self.compilations, time.perf_counter()
-        out = self.graphed(input_ids, state, lambda ids, inputs: self._run_traced(key, ids, inputs))
-        self._warm.add(key)
-        if self.compilations > built:
-            self.compile_seconds[shape] = time.perf_counter() - start
-        return out
+        return self.graphed(input_ids, state, lambda ids, inputs: self._run_traced(key, ids, inputs))
 
     def _run_traced(self, key: tuple, input_ids: Tensor, inputs: DecoderState) -> tuple[Tensor, DecoderState]:
         """The graph of ``key`` through dynamo (compiled first if new). Frozen weights: the products of one

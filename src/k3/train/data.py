@@ -63,9 +63,9 @@ def _unit_hash(seed: int, name: str) -> float:
     return int.from_bytes(h[:8], "big") / 2.0**64
 
 
-#: The fewest characters a document needs to be cut into a training and a validation window.
 #: Batches are made on the host and moved to the model's device by the trainer (`k3.train.pretrain.Run.share`).
 HOST = torch.device("cpu")
+#: The fewest characters a document needs to be cut into a training and a validation window.
 MIN_SPLIT_CHARS = 2
 
 
