@@ -48,3 +48,39 @@ def test_the_storage_goes_to_the_accepted_state_only_when_the_run_is_its_longest
     assert all(torch.equal(layer.latent, k) for layer, k in zip(mla, kept, strict=True))
     assert all(f.storage is not m.storage for f, m in zip(
         [layer for layer in fork.layers if isinstance(layer, MLACache)], mla, strict=True))
+
+
+@pytest.mark.parametrize("n", [1, 15, 16, 33, 59])
+def test_a_prefix_of_a_prefill_piece_equals_prefilling_only_that_prefix(n):
+    """`DecoderState.prefix` (a prefix-cache cut inside a prefill piece, issue 36): the state after the first n tokens
+    of a 60-token piece equals the state of a prefill that stopped there, layer by layer (fp64), and the piece's
+    own state is left as it was."""
+    model = serving.model().double()
+    text = serving.prompts()[5]
+    prompt, piece = text[:20], text[20:80]
+    chunk = model.config.kda.chunk_size
+    with torch.inference_mode():
+        _, state = model(torch.tensor([prompt]), state=model.new_state(1))
+        [(_, after)] = model.forward_groups([(torch.tensor([piece]), state)], replay=[True])
+        kept = after.apply(torch.clone)
+        got = after.prefix(n, chunk)
+        _, want = model(torch.tensor([piece[:n]]), state=state)
+    assert got.position == want.position == len(prompt) + n and got.replay is None
+    for g, w in zip(got.layers, want.layers, strict=True):
+        for name in vars(w):
+            if not name.startswith("_"):
+                torch.testing.assert_close(getattr(g, name), getattr(w, name), rtol=0, atol=1e-10)
+    torch.testing.assert_close(got.depth, want.depth, rtol=0, atol=1e-10)
+    for a, b in zip(after.tensors().values(), kept.tensors().values(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_prefix_refuses_what_accept_refuses():
+    model = serving.model()
+    with torch.inference_mode():
+        _, state = model(torch.tensor([serving.prompts()[3][:10]]), state=model.new_state(1))
+        [(_, after)] = model.forward_groups([(torch.tensor([serving.prompts()[4][:4]]), state)], replay=[True])
+    with pytest.raises(ValueError, match="prefix: n must be in"):
+        after.prefix(5, 64)
+    with pytest.raises(ValueError, match="prefix: needs a batch-1"):
+        state.prefix(1, 64)

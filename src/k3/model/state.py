@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from k3.files import atomic_write, open_regular
+from k3.model.sequence import kda
 from k3.model.sequence.kda import KDAReplay, KDAState
 from k3.model.sequence.mla import MLACache
 
@@ -60,22 +61,37 @@ class DecoderState:
     def accept(self, n: int) -> DecoderState:
         """The state after only the first ``n`` tokens of the run this state consumed (batch 1, from
         ``forward_groups(..., replay=[...])``): KDA layers replay their recorded inputs from the state before the
-        run, MLA caches are truncated (keeping their in-place storage: `MLACache.truncate`, so this state must not be
-        continued after ``accept``), the depth sources are those of position ``n − 1``."""
+        run token by token, MLA caches are truncated (keeping their in-place storage: `MLACache.truncate`, so this
+        state must not be continued after ``accept``), the depth sources are those of position ``n − 1``."""
+        return self._rolled_back(n, "accept", None)
+
+    def prefix(self, n: int, chunk_size: int) -> DecoderState:
+        """`accept`'s state after the first ``n`` tokens of the run, leaving this state as it is (a prefill piece
+        that passed a prefix-cache cut: the request continues from this state, the cache copies the prefix's): KDA
+        layers run the chunked form over their recorded inputs (``chunk_size``: the layers' `KDALayer.chunk_size`,
+        as a prefill of those tokens would), MLA caches are views of their first rows."""
+        return self._rolled_back(n, "prefix", chunk_size)
+
+    def _rolled_back(self, n: int, name: str, chunk_size: int | None) -> DecoderState:
         r = self.replay
         if r is None or self.batch_size != 1 or self.padding is not None:
-            raise ValueError("accept: needs a batch-1, unpadded state from forward_groups(..., replay=...)")
+            raise ValueError(f"{name}: needs a batch-1, unpadded state from forward_groups(..., replay=...)")
         run = self.position - r.before.position
         if not 1 <= n <= run:
-            raise ValueError(f"accept: n must be in [1, {run}] (the run's length), got {n}")
+            raise ValueError(f"{name}: n must be in [1, {run}] (the run's length), got {n}")
         if n == run:
             return replace(self, replay=None)
+        replayed = iter(kda.advance([record for record in r.kda if record is not None],
+                                    [b for b, record in zip(r.before.layers, r.kda) if record is not None],
+                                    n, chunk_size))
         layers: list[LayerState] = []
         for before, now, record in zip(r.before.layers, self.layers, r.kda, strict=True):
             if record is not None:
-                layers.append(record.advance(before, n))
-            else:
+                layers.append(next(replayed))
+            elif chunk_size is None:
                 layers.append(now.truncate(before.length + n))
+            else:
+                layers.append(MLACache(now.latent[:, :before.length + n], now.shared_key[:, :before.length + n]))
         return DecoderState(layers, r.depth[:, n - 1], r.before.position + n)
 
     @property

@@ -252,9 +252,10 @@ def test_an_aborted_prefill_leaves_only_complete_boundaries(model, tok):
     prompt = words(rng, 100)
     cache = new_cache(model)
     engine = Engine(model, tok, prefix_cache=cache, prefill_chunk=16)
+    engine.scheduler.idle_prefill = 40
     rid = engine.add_request(prompt, GREEDY)
-    engine.step()  # a prefill chunk ends at the next boundary: 32 of 100 tokens are read and checkpointed
-    assert engine.running[rid].prefilled == 32
+    engine.step()  # a piece of 40 of 100 tokens passes the cut at 32: its checkpoint is rolled back from the piece
+    assert engine.running[rid].prefilled == 40
     engine.abort(rid)
     hit = cache.lookup(prompt)
     assert hit.length == 32

@@ -139,6 +139,35 @@ def test_a_first_turn_makes_no_extra_model_call(model, tok, monkeypatch):
     assert counts[0] == counts[1]
 
 
+def test_due_checkpoints_cost_no_model_call_of_their_own(model, tok, monkeypatch):
+    """A prompt read in one piece past its cuts — a mark (40), the checkpoint interval (512) and its last block
+    boundary (640) — takes as many model calls as without the cache: each checkpoint is rolled back from the piece
+    (`DecoderState.prefix`). Later prompts resume at each, with the cache-off engine's outputs."""
+    rng = random.Random(13)
+    prompt = words(rng, 700)
+    calls = []
+    forward_groups = model.forward_groups
+    monkeypatch.setattr(model, "forward_groups", lambda *a, **k: calls.append(1) or forward_groups(*a, **k))
+    on, off = engine(model, tok), engine(model, tok, cache=False)
+    params = SamplingParams(max_tokens=3, temperature=0)  # decoding will not reach 704: 640 is due
+    try:
+        counts = []
+        for e in (off, on):
+            calls.clear()
+            e.add_requests([(prompt, params, None, None)], marks=(40,))
+            while e.has_work():
+                e.step()
+            counts.append(len(calls))
+        assert counts[0] == counts[1] == 1 + 2  # one prefill call, then a decode step per further token
+        later = [prompt[:n] + words(rng, 9) for n in (45, 600, 690)]
+        got, want = run(on, later), [run(off, [p])[0] for p in later]
+    finally:
+        on.stop()
+        off.stop()
+    assert [t for t, _ in got] == [t for t, _ in want]
+    assert [c for _, c in got] == [40, 512, 640]
+
+
 @pytest.mark.parametrize("length", [40, 300])
 def test_a_marked_head_is_checkpointed_for_the_next_conversation(model, tok, length):
     """A chat's shared head (its system messages, `k3.chat.shared_head`) is a mark: the first conversation

@@ -55,15 +55,31 @@ class KDAReplay:
     g: Tensor  # [B, T, H, K]
     beta: Tensor  # [B, T, H]
 
-    def advance(self, state: KDAState, n: int) -> KDAState:
-        """``state`` (before the run) after its first ``n`` tokens, token by token as decoding does."""
-        width = state.conv.shape[1]
-        window = torch.cat([state.conv, self.conv_in[:, :n].to(state.conv.dtype)], dim=1)
-        recurrent = state.recurrent
+
+def advance(records: list[KDAReplay], states: list[KDAState], n: int, chunk_size: int | None = None
+            ) -> list[KDAState]:
+    """Each KDA layer's state before a run (``states``) after the first ``n`` tokens of its ``records``: token by
+    token as decoding does, or with a ``chunk_size`` in the chunked form, as a prefill of those ``n`` tokens would
+    (`KDALayer.chunk_for`: a prefix-cache cut inside a prefill piece). The layers' recurrences run as one batch,
+    stacked along the batch dimension (every row of a KDA recurrence is independent; a model's KDA layers share one
+    `KDAConfig`), so replaying a whole model costs one recurrence's calls, not one per layer."""
+    if not records:
+        return []
+    rows = [s.recurrent.shape[0] for s in states]
+    q, k, v, g, beta = (torch.cat([getattr(r, name)[:, :n] for r in records])
+                        for name in ("q", "k", "v", "g", "beta"))
+    recurrent = torch.cat([s.recurrent for s in states])
+    if chunk_size is not None:
+        _, recurrent = kda.chunked(q, k, v, g, beta, initial_state=recurrent,
+                                   chunk_size=min(chunk_size, -(-n // 16) * 16))
+    else:
         for t in range(n):
-            _, recurrent = kda.step(self.q[:, t], self.k[:, t], self.v[:, t], self.g[:, t], self.beta[:, t],
-                                    recurrent)
-        return KDAState(window[:, window.shape[1] - width:], recurrent)
+            _, recurrent = kda.step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], recurrent)
+    out = []
+    for r, s, state in zip(records, states, recurrent.to(states[0].recurrent.dtype).split(rows), strict=True):
+        window = torch.cat([s.conv, r.conv_in[:, :n].to(s.conv.dtype)], dim=1)
+        out.append(KDAState(window[:, window.shape[1] - s.conv.shape[1]:], state))
+    return out
 
 
 class ShortConv(nn.Module):

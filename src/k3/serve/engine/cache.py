@@ -327,7 +327,7 @@ class PrefixCache:
     @staticmethod
     def _checkpoint(state: DecoderState) -> tuple[Tensor, ...]:
         """(depth, then conv and recurrent of each KDA layer), copied: a state's tensors may be views of a batch."""
-        depth = state.depth if state.depth is not None else torch.empty(0)
+        depth = state.depth if state.depth is not None else torch.empty(0, device=state.device)
         return tuple(t.clone() for t in (depth, *(t for s in state.layers if isinstance(s, KDAState)
                                                    for t in (s.conv, s.recurrent))))
 

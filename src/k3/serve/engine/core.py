@@ -83,7 +83,9 @@ class Engine:
         self.max_model_len = min(max_model_len or model.config.context_length, model.config.context_length)
         self.drafter = drafter
         self.compiled = CompiledModel(self.model) if compile is True else compile or None
-        self.scheduler = Scheduler(max_batch, prefill_chunk, max_waiting, self.model.new_state, prefix_cache)
+        reads_target = drafter is not None and drafter.feature_layers
+        self.scheduler = Scheduler(max_batch, prefill_chunk, max_waiting, self.model.new_state, prefix_cache,
+                                   None if self.compiled or reads_target else model.config.kda.chunk_size)
         self.speculator = Speculator(drafter, num_draft_tokens, self.max_model_len, adaptive_draft,
                                      padded=self.compiled is not None)
         self.runner = Runner(self.model, self.speculator, self.compiled)

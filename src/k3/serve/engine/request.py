@@ -118,7 +118,7 @@ class Request:
     cumulative_logprob: float = 0.0
     cached: int = 0  # prompt tokens restored from the prefix cache
     pins: list = field(default_factory=list)  # prefix-cache entries held while the request runs
-    cuts: list[int] = field(default_factory=list)  # prompt positions where prefill chunks end (cache checkpoints)
+    cuts: list[int] = field(default_factory=list)  # prompt positions checkpointed in the prefix cache
     marks: tuple[int, ...] = ()  # prompt positions the caller asks to checkpoint (a chat's shared head)
     resumed: bytes | None = None  # the key of the prefix-cache checkpoint the request resumed from
     boundary: DecoderState | None = None  # the recurrent state at the last block boundary decoding landed on
@@ -137,6 +137,11 @@ class Request:
     @property
     def prompt_done(self) -> bool:
         return self.prefilled == len(self.prompt)
+
+    def passes_cut(self, tokens: int) -> bool:
+        """Whether a prefill piece of ``tokens`` from here passes a cut: its checkpoint is then rolled back from the
+        piece's `Replay` (`Scheduler.update`)."""
+        return any(self.prefilled < c < self.prefilled + tokens for c in self.cuts)
 
 
 def new_request(prompt: list[int], params: SamplingParams, processor: Processor | None,

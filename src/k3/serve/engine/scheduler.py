@@ -10,8 +10,9 @@ conversation's next turn resumes right after this answer.
 
 `schedule` returns a `StepPlan`: every request with a sampled token pending decodes, and the prefilling requests
 read pieces of at most ``prefill_chunk`` prompt tokens in all, in arrival order (``idle_prefill`` when nothing
-decodes: there is no latency to protect), each piece cut at the prefix cache's cuts. A long prompt
-thus advances a piece per step and never stalls the others. `update` records what a pass computed: states,
+decodes: there is no latency to protect), each piece cut at the prefix cache's cuts — or, with ``replay_chunk``,
+reading past them, their checkpoints rolled back from the piece's `Replay` (no model call of their own). A long
+prompt thus advances a piece per step and never stalls the others. `update` records what a pass computed: states,
 prefill progress, and the cache checkpoints reached.
 """
 
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from k3.model.state import DecoderState
 from k3.serve.engine.cache import PrefixCache
@@ -54,13 +55,17 @@ class Scheduler:
     idle_prefill = 1024  # prompt tokens per step while no request is decoding
 
     def __init__(self, max_batch: int, prefill_chunk: int, max_waiting: int, new_state,
-                 prefix_cache: PrefixCache | None = None) -> None:
-        """``new_state(batch_size)`` makes an empty `DecoderState` (the model's ``new_state``)."""
+                 prefix_cache: PrefixCache | None = None, replay_chunk: int | None = None) -> None:
+        """``new_state(batch_size)`` makes an empty `DecoderState` (the model's ``new_state``). ``replay_chunk``: None
+        ends prefill pieces at the prefix cache's cuts, so each checkpoint is a piece's own state (compiled graphs;
+        a drafter that reads the target keeps its own state beside each); the KDA layers' chunk size lets a piece
+        run past cuts — the runner records its `Replay` and each cut's checkpoint is rolled back from it
+        (`DecoderState.prefix`), so a checkpoint costs no model call of its own."""
         if min(max_batch, prefill_chunk, max_waiting) < 1:
             raise ValueError(f"max_batch, prefill_chunk and max_waiting must be positive, got {max_batch}, "
                              f"{prefill_chunk}, {max_waiting}")
         self.max_batch, self.prefill_chunk, self.max_waiting = max_batch, prefill_chunk, max_waiting
-        self.prefix_cache = prefix_cache
+        self.prefix_cache, self.replay_chunk = prefix_cache, replay_chunk
         self.running: dict[str, Request] = {}  # admitted (prefilling or decoding), in arrival order
         self.lock = threading.Lock()
         self._new_state = new_state
@@ -125,9 +130,15 @@ class Scheduler:
 
     def update(self, request: Request, state: DecoderState, read: int = 0) -> bytes | None:
         """``request`` continues from ``state`` after a pass that read ``read`` more prompt tokens. A cut just
-        reached is checkpointed in the prefix cache (its key is returned), a prompt just read gives its pages, and a
-        decode landing on a block boundary is remembered for `finish`."""
-        request.state, request.prefilled = state, request.prefilled + read
+        reached is checkpointed in the prefix cache (its key is returned), so is each cut the piece passed (rolled
+        back from the piece's `Replay`), a prompt just read gives its pages, and a decode landing on a block boundary
+        is remembered for `finish`."""
+        before = request.prefilled
+        request.state, request.prefilled = replace(state, replay=None), before + read
+        for cut in (c for c in request.cuts if before < c < request.prefilled):
+            self.prefix_cache.insert(request.prompt[:cut], state.prefix(cut - before, self.replay_chunk),
+                                     request.salt)
+        state = request.state
         cache = self.prefix_cache
         if cache is None:
             return None
@@ -186,11 +197,12 @@ class Scheduler:
 
     def _pieces(self, decoding: bool) -> list[tuple[Request, list[int]]]:
         """Up to ``prefill_chunk`` prompt tokens (``idle_prefill`` when nothing is decoding), from the
-        prefilling requests in arrival order, each piece ending at the next checkpoint boundary."""
+        prefilling requests in arrival order, each piece ending at the next checkpoint boundary (without
+        ``replay_chunk``)."""
         budget, pieces = self.prefill_chunk if decoding else max(self.prefill_chunk, self.idle_prefill), []
         for request in self.running.values():
             n = min(budget, len(request.prompt) - request.prefilled)
-            cut = next((c for c in request.cuts if c > request.prefilled), None)
+            cut = None if self.replay_chunk else next((c for c in request.cuts if c > request.prefilled), None)
             n = n if cut is None else min(n, cut - request.prefilled)
             if n > 0:
                 pieces.append((request, request.prompt[request.prefilled:request.prefilled + n]))
