@@ -181,7 +181,8 @@ def main() -> None:
     payload = {"machine": machine(), "compiled": args.compile, "rows": rows, "acceptance_by_position": positions,
                "kept_per_run_by_output_length": by_length, "replay_bytes": replay, "snapshot_bytes": snapshots,
                "graphs_compiled_while_timed": None if compiled is None else compiled.compilations - built}
-    print(f"results: {write_results('speculative' + ('_compiled' if args.compile else ''), payload)}")
+    name = "speculative" + ("_compiled" if args.compile else "") + ("" if args.gamma == 4 else f"_gamma{args.gamma}")
+    print(f"results: {write_results(name, payload)}")
 
 
 if __name__ == "__main__":
