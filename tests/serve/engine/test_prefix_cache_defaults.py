@@ -13,6 +13,7 @@ import torch
 import serving
 from k3.model.draft import DraftConfig, EagleDraft
 from k3.model.sequence.kda import KDAState
+from k3.model.state import DecoderState
 from k3.serve.engine import Engine, SamplingParams
 from k3.serve.engine.cache import PrefixCache
 from k3.serve.engine.drafting import EagleDrafter
@@ -240,3 +241,18 @@ def test_an_eagle_draft_resumes_after_the_previous_answer(model, tok):
     [(tokens, cached)] = run(with_cache, [turn], max_tokens=12)
     assert cached == len(prompt) + len(answer) - 1
     assert_proposed_as_without_cache(model, tok, draft, turn, tokens, on)
+
+
+def test_decoding_rows_keep_their_stacked_batch_with_the_cache_on(model, tok, monkeypatch):
+    """Recording states (and rolling checkpoints back) leaves decode states as the pass returned them, so the runner
+    continues its stacked batch instead of stacking (copying every MLA cache) at every step."""
+    rng = random.Random(16)
+    stacks = []
+    stack = DecoderState.stack.__func__
+    monkeypatch.setattr(DecoderState, "stack", classmethod(lambda cls, states: stacks.append(1) or stack(cls, states)))
+    e = engine(model, tok)
+    try:
+        run(e, [words(rng, 30 + 7 * i) for i in range(3)], max_tokens=20)
+    finally:
+        e.stop()
+    assert len(stacks) <= 3  # the batch forms (after each prefill), never once per step

@@ -134,11 +134,12 @@ class Scheduler:
         back from the piece's `Replay`), a prompt just read gives its pages, and a decode landing on a block boundary
         is remembered for `finish`."""
         before = request.prefilled
-        request.state, request.prefilled = replace(state, replay=None), before + read
+        request.prefilled += read
         for cut in (c for c in request.cuts if before < c < request.prefilled):
             self.prefix_cache.insert(request.prompt[:cut], state.prefix(cut - before, self.replay_chunk),
                                      request.salt)
-        state = request.state
+        # a decode row's state is kept as it is: the runner continues its stacked batch while the rows are its own
+        request.state = state = state if state.replay is None else replace(state, replay=None)
         cache = self.prefix_cache
         if cache is None:
             return None
