@@ -58,7 +58,7 @@ def test_the_draft_distribution_is_one_hot_at_each_token():
 def test_greedy_tokens_equal_plain_decoding_and_repeats_are_accepted(tok, adaptive, monkeypatch):
     if adaptive:  # steps timed on a synthetic clock (cheap drafts): adaptive γ must not follow the machine's load
         timed = Speculator.timed
-        monkeypatch.setattr(Speculator, "timed", lambda self, seconds: timed(self, 1.0 + 0.05 * self._proposed[1]))
+        monkeypatch.setattr(Speculator, "timed", lambda self, seconds: timed(self, 1.0 + 0.05 * self._proposed[2]))
     model = serving.Cycling()
     prompts = [serving.prompts()[3] + serving.CYCLE * 2, *serving.prompts()[2:5]]
     params = SamplingParams(max_tokens=24, temperature=0, logprobs=1)

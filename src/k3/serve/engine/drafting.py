@@ -286,7 +286,7 @@ class Speculator:
             if drafter is not None and adaptive else None
         self.cost = StepCost(drafter.cost) if self.lengths is not None else None
         self.counts: Counter[str] = Counter()
-        self._proposed = (0, 0)  # the last `propose`: requests decoding, positions drafted
+        self._proposed = (0, 0, 0)  # the last `propose`: requests decoding, rows drafting, positions drafted
 
     def propose(self, requests: list[Request]) -> dict[Request, Draft]:
         """This step's drafts of the decoding ``requests`` that speculate: not under a grammar (its matcher would
@@ -300,7 +300,7 @@ class Speculator:
             self.lengths.tick()
         if self.cost is not None and requests and self.cost.plain_step():
             self.counts["plain"] += len(requests)
-            self._proposed = (len(requests), 0)
+            self._proposed = (len(requests), 0, 0)
             return out
         for r in requests:
             wanted = self.gamma if self.lengths is None else self.lengths.length(r.id)
@@ -314,15 +314,15 @@ class Speculator:
             else:
                 self.counts["plain"] += 1
         positions = self.gamma * len(out) if self.padded else sum(len(d.tokens) for d in out.values())
-        self._proposed = (len(requests), positions)
+        self._proposed = (len(requests), len(out), positions)
         return out
 
     def timed(self, seconds: float) -> None:
         """The step of the last `propose` (decoding only, no prefill in it) took ``seconds``: measure the price of
-        a drafted position (`StepCost`) and draft by it."""
+        verification (`StepCost`) and draft by it."""
         if self.cost is not None and self._proposed[0]:
             self.cost.record(*self._proposed, seconds)
-            self.lengths.cost = self.cost.value
+            self.lengths.fixed, self.lengths.cost = self.cost.value
 
     def observe(self, request: Request, tokens: list[int], features: Tensor | None) -> None:
         """The target consumed ``tokens`` of ``request`` with ``features`` (for a drafter that reads them); the first

@@ -3,24 +3,30 @@
 A verified run of γ drafts keeps ``1 + a`` tokens (``a`` accepted plus the corrected or bonus token) for one target
 pass over γ + 1 positions and γ draft steps. With per-position acceptance α (drafts are accepted in order until the
 first rejection), the tokens a run is expected to keep are ``E(γ) = (1 − α^{γ+1}) / (1 − α)``, and its cost in plain
-decode steps is ``C(γ) = 1 + c·γ``, ``c`` the drafter's stated price of a drafted position (`NGramDrafter.cost`,
-`EagleDrafter.cost`, ...). `DraftLength` estimates α per request from its own runs — the geometric estimate
-Σ accepted / Σ examined, each run's counts decayed by ``decay`` so it follows a request whose text changes — and picks
-the γ ≤ ``gamma`` maximising E/C. Where verification runs on compiled graphs every run is ``gamma + 1`` wide
-(``padded``): any γ > 0 then costs 1 + c·``gamma``, so a request drafts ``gamma`` or nothing. When no γ > 0 beats
-plain decoding (E/C ≤ 1) the request decodes plainly until the next multiple of ``pause`` engine steps, then probes
-with one draft (``gamma`` when padded: the same price); the pause doubles while probes keep losing
-(up to ``max_pause``). Ending pauses at multiples of their length lines the probes of a batch up in the same steps.
-A probe that drafted nothing (an n-gram drafter found no match) pauses again for as long, so a request is never
-left without probes.
+decode steps is ``C(γ) = 1 + f + c·γ`` for γ > 0: ``f`` what verifying a row costs whatever its width (the accept,
+the verification's bookkeeping; 0 until measured), ``c`` the price of a drafted position, at first the drafter's
+stated one (`NGramDrafter.cost`, `EagleDrafter.cost`, ...). `DraftLength` estimates α per request from its own
+runs — the geometric estimate Σ accepted / Σ examined, each run's counts decayed by ``decay`` so it follows a request
+whose text changes — and picks the γ ≤ ``gamma`` maximising E/C. Where verification runs on compiled graphs every
+run is ``gamma + 1`` wide (``padded``): any γ > 0 then costs 1 + f + c·``gamma``, so a request drafts ``gamma`` or
+nothing. When no γ > 0 beats plain decoding (E/C ≤ 1) the request decodes plainly until the next multiple of
+``pause`` engine steps, then probes with ``gamma`` drafts (a run as long as drafting would make: its price is what
+the probe must show); the pause doubles while probes keep losing (up to ``max_pause``). Ending pauses at multiples
+of their length lines the probes of a batch up in the same steps. A probe that drafted nothing (an n-gram drafter
+found no match) pauses again for as long, so a request is never left without probes.
 Tokens never depend on this choice (verification is lossless): only how many are drafted does.
 
 The stated ``c`` is a guess; what a drafted position really costs depends on the machine, compiled graphs or not,
-and the batch. `StepCost` measures it: the first decode step (no prefill in it) and every ``every``-th after it
-draft nothing, timing a plain step at that batch size; a step with ``n`` drafted positions at batch ``B`` that took
-``r`` plain steps' time gives ``c = (r − 1)·B / n``, averaged with weight ``decay`` (padded verification counts
-``gamma`` positions per verified row, whatever was drafted: a one-draft probe must not look four times dearer).
-Once measured, that ``c`` replaces the stated one.
+and the batch. `StepCost` measures ``f`` and ``c``: the first decode step (no prefill in it) and every
+``every``-th after it draft nothing, timing a plain step at that batch size; a step at batch ``B`` with ``k``
+verified rows and ``n`` drafted positions that took ``r`` plain steps' time is one observation
+``(r − 1)·B = f·k + c·n``, and ``(f, c)`` is their least-squares fit, older steps weighted down by ``decay`` per
+step (padded verification counts ``gamma`` positions per verified row, whatever was drafted: a one-draft probe must
+not look four times dearer). While every observed run had the same width the two cannot be told apart and ``f`` stays
+0 — ``c = Σ(r − 1)·B·n / Σn²``, which prices runs of that width right and shorter ones too cheaply, so a request
+that then drafts shorter runs separates the two. (Pricing every run by a short one's width — probes of one draft,
+as before — made long runs look dear: the verification's fixed part counted per position, and a request that only
+ever drafted short runs never learnt otherwise.) Once measured, ``(f, c)`` replaces the stated price.
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ class DraftLength:
             raise ValueError(f"draft length: invalid settings gamma={gamma}, cost={cost}, prior={prior}, "
                              f"decay={decay}, pause={pause}, max_pause={max_pause}")
         self.gamma, self.cost, self.decay, self.min_pause, self.max_pause = gamma, cost, decay, pause, max_pause
+        self.fixed = 0.0  # f: a verified row's price whatever its width (`StepCost`)
         self.padded = padded
         self.prior = (prior * prior_weight, prior_weight)
         self.now = 0
@@ -71,8 +78,9 @@ class DraftLength:
 
     def best(self, alpha: float) -> int:
         """The γ ≤ ``gamma`` with the most expected tokens per cost; 0 when none beats plain decoding. ``padded``:
-        every verification is ``gamma + 1`` wide (compiled graphs), so any γ > 0 costs 1 + c·``gamma``."""
-        gain = [expected_tokens(alpha, g) / (1 + self.cost * (self.gamma if self.padded and g else g))
+        every verification is ``gamma + 1`` wide (compiled graphs), so any γ > 0 costs 1 + f + c·``gamma``."""
+        gain = [expected_tokens(alpha, g) / (1 + self.fixed * (g > 0) + self.cost * (self.gamma if self.padded and g
+                                                                                     else g))
                 for g in range(self.gamma + 1)]
         best = max(range(self.gamma + 1), key=gain.__getitem__)
         return best if gain[best] > 1 else 0
@@ -84,7 +92,7 @@ class DraftLength:
             if self.now < r.probe_at:
                 return 0
             r.probe_at = None
-            return self.gamma if self.padded else min(1, self.gamma)  # the pause ends: probe (as wide as it costs)
+            return self.gamma  # the pause ends: probe
         best = self.best(self.acceptance(request_id))
         if best == 0:  # no run will come to update α (a probe found nothing to draft, or the price rose): wait again
             self._pause(r, r.pause or self.min_pause)
@@ -109,28 +117,31 @@ class DraftLength:
 
 
 class StepCost:
-    """The measured price of a drafted position in plain decode steps (module docstring); ``value`` is the stated
-    ``cost`` until a speculative step could be compared with a plain one of its batch size."""
+    """The measured price of verification in plain decode steps (module docstring): ``value`` is ``(f, c)`` — a
+    verified row's fixed price and a drafted position's — ``(0, cost)`` as stated until a speculative step could be
+    compared with a plain one of its batch size."""
 
     def __init__(self, cost: float, every: int = 16, decay: float = 0.9) -> None:
         if cost < 0 or every < 2 or not 0 < decay < 1:
             raise ValueError(f"step cost: invalid settings cost={cost}, every={every}, decay={decay}")
         self.stated, self.every, self.decay = cost, every, decay
-        self.measured: float | None = None
+        self.measured: tuple[float, float] | None = None
         self._plain: dict[int, float] = {}  # batch size -> decayed mean seconds of a plain decode step
+        self._moments = [0.0] * 5  # decayed Σk², Σkn, Σn², Σk·y, Σn·y of the observations y = f·k + c·n
         self._steps = 0
 
     @property
-    def value(self) -> float:
-        return self.stated if self.measured is None else self.measured
+    def value(self) -> tuple[float, float]:
+        return (0.0, self.stated) if self.measured is None else self.measured
 
     def plain_step(self) -> bool:
         """Whether this decode step drafts nothing, to time a plain step: the first, then one in ``every``."""
         self._steps += 1
         return self._steps % self.every == 1
 
-    def record(self, batch: int, drafted: int, seconds: float) -> None:
-        """A decode step of ``batch`` requests with ``drafted`` positions drafted in all took ``seconds``."""
+    def record(self, batch: int, rows: int, drafted: int, seconds: float) -> None:
+        """A decode step of ``batch`` requests, ``rows`` of them verifying ``drafted`` positions in all, took
+        ``seconds``."""
         if batch < 1 or seconds <= 0:
             return
         if drafted == 0:
@@ -140,5 +151,20 @@ class StepCost:
         plain = self._plain.get(batch)
         if plain is None:
             return
-        cost = max(0.0, (seconds / plain - 1) * batch / drafted)
-        self.measured = cost if self.measured is None else self.decay * self.measured + (1 - self.decay) * cost
+        y = (seconds / plain - 1) * batch
+        observed = (rows * rows, rows * drafted, drafted * drafted, rows * y, drafted * y)
+        self._moments = [self.decay * m + o for m, o in zip(self._moments, observed)]
+        self.measured = self._fit()
+
+    def _fit(self) -> tuple[float, float]:
+        """The non-negative least-squares ``(f, c)`` of the observations; ``f = 0`` while they cannot tell the two
+        apart (every run of one width)."""
+        kk, kn, nn, ky, ny = self._moments
+        det = kk * nn - kn * kn
+        if det > 1e-9 * kk * nn:
+            f, c = (nn * ky - kn * ny) / det, (kk * ny - kn * ky) / det
+            if f >= 0 and c >= 0:
+                return f, c
+            if c < 0 <= ky:  # the price does not grow with the width: it is all fixed
+                return ky / kk, 0.0
+        return 0.0, max(0.0, ny / nn)
