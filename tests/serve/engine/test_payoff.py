@@ -221,3 +221,43 @@ def test_a_fixed_price_verification_is_priced_as_fixed(padded):
             lengths.update("r", drafted, drafted)
         tokens, seconds = tokens + 1 + drafted, seconds + (2.0 if drafted else 1.0)
     assert tokens / seconds > 2.2
+
+
+def test_shadow_evidence_ends_a_pause_only_when_drafting_pays():
+    """A paused request's free proposals checked against the target's own tokens: misses keep it paused (to its
+    probe), a few hits end the pause at once."""
+    lengths = DraftLength(gamma=4, cost=0.1, prior=0.0, pause=16)
+    lengths.update("r", 4, 0)
+    for _ in range(3):
+        lengths.shadow("r", False)
+        assert steps(lengths, "r", 1) == [0]
+    hits = 0
+    while lengths.length("r") == 0:
+        lengths.shadow("r", True)
+        hits += 1
+    assert hits <= 3 and lengths.now < 16  # drafting again, as long as the evidence so far pays for
+    for _ in range(8):
+        lengths.shadow("r", True)
+    assert lengths.length("r") == 4
+
+
+def test_a_paused_greedy_request_drafts_again_when_its_text_starts_repeating(tok, monkeypatch):
+    """An n-gram drafter (free proposals) on a request that starts paused (no acceptance credited): its proposals
+    are checked against the target's tokens while it decodes plainly, and it drafts within a few steps, not at the
+    first probe 16 steps later. Tokens stay plain decoding's."""
+    import serving
+    from k3.serve.engine import Engine, SamplingParams
+    from k3.serve.engine.drafting import Speculator
+    from k3.serve.engine.ngram import NGramDrafter
+
+    timed = Speculator.timed
+    monkeypatch.setattr(Speculator, "timed", lambda self, seconds: timed(self, 1.0 + 0.05 * self._proposed[2]))
+    model = serving.Cycling()
+    prompt, params = serving.prompts()[3] + serving.CYCLE * 2, SamplingParams(max_tokens=40, temperature=0)
+    engine = Engine(model, tok, drafter=NGramDrafter(model.config.vocab_size), num_draft_tokens=4)
+    engine.speculator.lengths.prior = (0.0, 2.0)  # α starts at 0: the request pauses at its first step
+    tokens = [t for o in engine.generate(prompt, params) for t in o.token_ids]
+    assert tokens == [t for o in Engine(model, tok).generate(prompt, params) for t in o.token_ids]
+    stats = engine.speculation
+    assert stats["shadowed"] >= 1 and stats["shadow_hits"] == stats["shadowed"]
+    assert stats["plain"] < 8 and stats["accepted"] > 20

@@ -56,6 +56,7 @@ class Drafter(Protocol):
     feature_layers: tuple[int, ...] | None
     feature_source: str | None
     cost: float  # a drafted position's price relative to a plain decode step (`k3.serve.engine.payoff`)
+    free: bool  # proposing costs nothing (no model runs): a paused request's proposals are checked for free
 
     def observe(self, request_id: str, tokens: list[int], features: Tensor | None) -> None:
         """The target consumed ``tokens`` (a prefill chunk, a decode token, or a verified run's kept tokens) and
@@ -88,6 +89,7 @@ class ModelDrafter:
 
     feature_layers = feature_source = None
     cost = 0.5
+    free = False
 
     def __init__(self, model: K3ForCausalLM, compile: bool = False) -> None:
         self.model = model.eval()
@@ -185,6 +187,7 @@ class EagleDrafter:
     proposals of `mini`'s draft on CPU)."""
 
     cost = 0.25  # one draft layer and the LM head per drafted position, and its verified position (stated)
+    free = False
 
     def __init__(self, draft: EagleDraft, max_saved: int = 256, compile: bool = False, read_every: int = 64,
                  max_saved_bytes: int = 2**28) -> None:
@@ -273,8 +276,10 @@ class Speculator:
     `k3.serve.engine.payoff.DraftLength` from each request's measured acceptance, else always ``num_draft_tokens``),
     what the target's features and verified runs tell the drafter, and the counts ``runs``, ``drafted``,
     ``accepted``, ``drafted_at_i`` / ``accepted_at_i`` (draft position i, from 1), ``runs_from_n`` / ``kept_from_n``
-    (runs verified, and tokens they emitted, while the request's output held n to n + `OUTPUT_BIN` − 1 tokens) and
-    ``plain`` (a speculating drafter's request decoding plainly: no draft found, or adaptively paused)."""
+    (runs verified, and tokens they emitted, while the request's output held n to n + `OUTPUT_BIN` − 1 tokens),
+    ``plain`` (a speculating drafter's request decoding plainly: no draft found, or adaptively paused), and
+    ``shadowed`` / ``shadow_hits`` (a paused greedy request's free proposals checked against the target's own
+    token, and those it confirmed: `DraftLength.shadow`)."""
 
     def __init__(self, drafter: Drafter | None, num_draft_tokens: int, max_model_len: int,
                  adaptive: bool = True, padded: bool = False) -> None:
@@ -286,6 +291,7 @@ class Speculator:
             if drafter is not None and adaptive else None
         self.cost = StepCost(drafter.cost) if self.lengths is not None else None
         self.counts: Counter[str] = Counter()
+        self._shadows: dict[str, tuple[int, int]] = {}  # a paused request's free proposal: (its output length, token)
         self._proposed = (0, 0, 0)  # the last `propose`: requests decoding, rows drafting, positions drafted
 
     def propose(self, requests: list[Request]) -> dict[Request, Draft]:
@@ -303,12 +309,16 @@ class Speculator:
             self._proposed = (len(requests), 0, 0)
             return out
         for r in requests:
+            self._check_shadow(r)
             wanted = self.gamma if self.lengths is None else self.lengths.length(r.id)
             length = min(wanted, r.params.max_tokens - len(r.output_ids) - 1, self.max_model_len - r.state.position - 2)
             draft = None
             if length > 0 and r.params.constraint is None:
-                draft = self.drafter.propose(r.id, r.prompt + r.output_ids[:-1], r.pending, r.params, r.prompt,
-                                             r.output_ids, r.generator, length)
+                draft = self._propose(r, length)
+            elif wanted == 0 and self.drafter.free and r.params.temperature == 0 and r.params.constraint is None:
+                shadow = self._propose(r, 1)
+                if shadow is not None and shadow.tokens:
+                    self._shadows[r.id] = (len(r.output_ids), shadow.tokens[0])
             if draft is not None and draft.tokens:
                 out[r] = draft
             else:
@@ -316,6 +326,17 @@ class Speculator:
         positions = self.gamma * len(out) if self.padded else sum(len(d.tokens) for d in out.values())
         self._proposed = (len(requests), len(out), positions)
         return out
+
+    def _propose(self, r: Request, length: int) -> Draft | None:
+        return self.drafter.propose(r.id, r.prompt + r.output_ids[:-1], r.pending, r.params, r.prompt, r.output_ids,
+                                    r.generator, length)
+
+    def _check_shadow(self, r: Request) -> None:
+        """The token the target sampled last step against the free proposal made for it (`DraftLength.shadow`)."""
+        shadow = self._shadows.pop(r.id, None)
+        if shadow is not None and len(r.output_ids) == shadow[0] + 1:
+            self.lengths.shadow(r.id, r.pending == shadow[1])
+            self.counts.update(shadowed=1, shadow_hits=int(r.pending == shadow[1]))
 
     def timed(self, seconds: float) -> None:
         """The step of the last `propose` (decoding only, no prefill in it) took ``seconds``: measure the price of
@@ -353,6 +374,7 @@ class Speculator:
         self.counts.update({f"runs_from_{n}": 1, f"kept_from_{n}": len(kept)})
 
     def end(self, request: Request) -> None:
+        self._shadows.pop(request.id, None)
         if self.drafter is not None:
             self.drafter.end(request.id)
         if self.lengths is not None:

@@ -40,6 +40,7 @@ class NGramDrafter:
 
     feature_layers = feature_source = None
     cost = 0.1
+    free = True  # a lookup: a paused request keeps proposing, checked against the target's own tokens
 
     def __init__(self, vocab_size: int, max_n: int = 4, min_n: int = 2, device: torch.device | None = None) -> None:
         if not 1 <= min_n <= max_n:

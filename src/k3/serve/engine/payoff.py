@@ -13,7 +13,10 @@ nothing. When no γ > 0 beats plain decoding (E/C ≤ 1) the request decodes pla
 ``pause`` engine steps, then probes with ``gamma`` drafts (a run as long as drafting would make: its price is what
 the probe must show); the pause doubles while probes keep losing (up to ``max_pause``). Ending pauses at multiples
 of their length lines the probes of a batch up in the same steps. A probe that drafted nothing (an n-gram drafter
-found no match) pauses again for as long, so a request is never left without probes.
+found no match) pauses again for as long, so a request is never left without probes. A drafter whose proposals
+cost nothing (the n-gram's lookup) keeps proposing for a paused greedy request, and the target's own next token
+tells whether the proposal's first token would have been accepted (`DraftLength.shadow`): evidence without a
+verification, which ends the pause as soon as drafting pays.
 Tokens never depend on this choice (verification is lossless): only how many are drafted does.
 
 The stated ``c`` is a guess; what a drafted position really costs depends on the machine, compiled graphs or not,
@@ -107,6 +110,17 @@ class DraftLength:
             self._pause(r, min(self.max_pause, 2 * r.pause) if r.pause else self.min_pause)
         else:
             r.pause = 0
+
+    def shadow(self, request_id: str, accepted: bool) -> None:
+        """A paused request's drafter proposed a first token for free (`Drafter.free`) and the target's own greedy
+        token then confirmed it or not: one examined position for α, paid for by nothing. When drafting pays by it,
+        the pause ends at once, so a request whose text starts repeating its context drafts from the next step, not
+        from the next probe."""
+        r = self._records.setdefault(request_id, _Record(*self.prior))
+        r.accepted = r.accepted * self.decay + accepted
+        r.examined = r.examined * self.decay + 1
+        if r.probe_at is not None and self.best(self.acceptance(request_id)) > 0:
+            r.probe_at = None
 
     def _pause(self, r: _Record, length: int) -> None:
         """Decode plainly until the next multiple of ``length`` steps, then probe."""
