@@ -128,21 +128,21 @@ def test_step_cost_fits_a_fixed_and_a_per_position_price_from_timed_steps():
     of it in f when a wider run costs no more. The first step and one in ``every`` are plain ones."""
     cost = StepCost(0.1, every=4, decay=0.5)
     cost.record(1, 1, 4, 2.0)  # no plain step of batch 1 yet
-    assert cost.value == (0.0, 0.1)
+    assert cost.value == (0.0, 0.0, 0.1)
     cost.record(1, 0, 0, 1.0)
     cost.record(1, 1, 4, 2.0)  # 1 = 4c: one width
-    assert cost.value == pytest.approx((0.0, 0.25))
-    cost.record(1, 1, 1, 1.5)  # 0.5 = f + c, with 1 = f + 4c: f = 1/3, c = 1/6
-    assert cost.value == pytest.approx((1 / 3, 1 / 6))
+    assert cost.value == pytest.approx((0.0, 0.0, 0.25))
+    cost.record(1, 1, 1, 1.5)  # 0.5 = f + c, with 1 = f + 4c: f = 1/3, c = 1/6 (at batch 1, G and f are one)
+    assert cost.value == pytest.approx((0.0, 1 / 3, 1 / 6))
     cost.record(8, 0, 0, 2.0)
     cost.record(8, 4, 16, 3.0)  # (1.5 − 1)·8 = 4 = 4f + 16c: the same prices
-    assert cost.value == pytest.approx((1 / 3, 1 / 6))
+    assert cost.value == pytest.approx((0.0, 1 / 3, 1 / 6))
     assert [cost.plain_step() for _ in range(8)] == [True, False, False, False] * 2
     flat = StepCost(0.1, decay=0.5)
     flat.record(1, 0, 0, 1.0)
     flat.record(1, 1, 4, 2.0)
     flat.record(1, 1, 1, 2.5)  # the shorter run cost more: no per-position price, f = (0.5·1 + 1.5) / (0.5 + 1)
-    assert flat.value == pytest.approx((4 / 3, 0.0))
+    assert flat.value == pytest.approx((0.0, 4 / 3, 0.0))
 
 
 @pytest.mark.parametrize("price", [0.05, 2.0])
@@ -164,7 +164,7 @@ def test_the_measured_price_of_a_draft_decides_whether_to_draft(tok, monkeypatch
     tokens = [t for o in engine.generate(prompt, params) for t in o.token_ids]
     assert tokens == [t for o in Engine(model, tok).generate(prompt, params) for t in o.token_ids]
     stats = engine.speculation
-    assert engine.speculator.cost.measured == pytest.approx((0.0, price), abs=1e-9)
+    assert engine.speculator.cost.measured == pytest.approx((0.0, 0.0, price), abs=1e-9)
     if price < 1:
         assert stats["accepted"] > 40
     else:
@@ -217,10 +217,20 @@ def test_a_fixed_price_verification_is_priced_as_fixed(padded):
         drafted = lengths.length("r")
         if drafted:
             cost.record(1, 1, 4 if padded else drafted, 2.0)
-            lengths.fixed, lengths.cost = cost.value
+            _, lengths.fixed, lengths.cost = cost.value
             lengths.update("r", drafted, drafted)
         tokens, seconds = tokens + 1 + drafted, seconds + (2.0 if drafted else 1.0)
     assert tokens / seconds > 2.2
+
+
+def test_step_cost_separates_a_groups_price_from_its_rows_and_positions():
+    """At batch 8, steps verifying 1, 2 and 4 rows of runs of 3 and 8 drafts, timed as G = 0.5 plain steps per group,
+    f = 0.25 per row and c = 0.0625 per position: the fit recovers the three prices."""
+    cost = StepCost(0.1, decay=0.9)
+    cost.record(8, 0, 0, 1.0)
+    for rows, width in [(1, 8), (2, 8), (4, 8), (1, 3), (4, 3), (2, 3)]:
+        cost.record(8, rows, rows * width, 1.0 + (0.5 * 8 + 0.25 * rows + 0.0625 * rows * width) / 8)
+    assert cost.value == pytest.approx((0.5, 0.25, 0.0625))
 
 
 def test_shadow_evidence_ends_a_pause_only_when_drafting_pays():
@@ -261,3 +271,32 @@ def test_a_paused_greedy_request_drafts_again_when_its_text_starts_repeating(tok
     stats = engine.speculation
     assert stats["shadowed"] >= 1 and stats["shadow_hits"] == stats["shadowed"]
     assert stats["plain"] < 8 and stats["accepted"] > 20
+
+
+class _Row:
+    def __init__(self, request_id: str) -> None:
+        self.id = request_id
+
+
+def test_a_verification_group_runs_only_when_its_rows_gain_more_than_its_price():
+    """A group price G = 1 plain step is paid once per step by all B = 4 rows: one row keeping 5 tokens per run (its
+    own price 1.4) gains 3.6 < G·B = 4 and is held until its next probe; two such rows gain 7.2 and verify; a probe
+    always verifies."""
+    from k3.serve.engine.drafting import Speculator
+    from k3.serve.engine.ngram import NGramDrafter
+
+    speculator = Speculator(NGramDrafter(64), 4, 1000)
+    speculator.cost.measured = (1.0, 0.0, 0.1)
+    lengths = speculator.lengths
+    lengths.fixed, lengths.cost = 0.0, 0.1
+    rows = [_Row(name) for name in "abcd"]
+    for row in rows:
+        for _ in range(20):
+            lengths.update(row.id, 4, 4)
+    assert lengths.gain("a", 4) == pytest.approx(3.6, abs=0.01)
+    assert speculator._group_pays({rows[0]: 4, rows[1]: 4, rows[2]: 0, rows[3]: 0})
+    assert not speculator._group_pays({rows[0]: 4, rows[1]: 0, rows[2]: 0, rows[3]: 0})
+    assert speculator.counts["held"] == 1 and steps(lengths, "a", 1) == [0]  # held: paused to its next probe
+    while lengths.length("a") == 0:
+        lengths.tick()
+    assert lengths.probing("a") and speculator._group_pays({rows[0]: 4, rows[1]: 0, rows[2]: 0, rows[3]: 0})

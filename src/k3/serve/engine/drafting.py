@@ -279,7 +279,8 @@ class Speculator:
     (runs verified, and tokens they emitted, while the request's output held n to n + `OUTPUT_BIN` − 1 tokens),
     ``plain`` (a speculating drafter's request decoding plainly: no draft found, or adaptively paused), and
     ``shadowed`` / ``shadow_hits`` (a paused greedy request's free proposals checked against the target's own
-    token, and those it confirmed: `DraftLength.shadow`)."""
+    token, and those it confirmed: `DraftLength.shadow`) and ``held`` (rows that would have drafted in a step whose
+    verification group would not have paid for itself)."""
 
     def __init__(self, drafter: Drafter | None, num_draft_tokens: int, max_model_len: int,
                  adaptive: bool = True, padded: bool = False) -> None:
@@ -308,14 +309,20 @@ class Speculator:
             self.counts["plain"] += len(requests)
             self._proposed = (len(requests), 0, 0)
             return out
+        lengths = {}
         for r in requests:
             self._check_shadow(r)
             wanted = self.gamma if self.lengths is None else self.lengths.length(r.id)
-            length = min(wanted, r.params.max_tokens - len(r.output_ids) - 1, self.max_model_len - r.state.position - 2)
+            room = min(r.params.max_tokens - len(r.output_ids) - 1, self.max_model_len - r.state.position - 2)
+            lengths[r] = min(wanted, room) if r.params.constraint is None else 0
+        if self.lengths is not None and not self._group_pays(lengths):
+            lengths = dict.fromkeys(lengths, 0)
+        for r, length in lengths.items():
             draft = None
-            if length > 0 and r.params.constraint is None:
+            if length > 0:
                 draft = self._propose(r, length)
-            elif wanted == 0 and self.drafter.free and r.params.temperature == 0 and r.params.constraint is None:
+            elif self.lengths is not None and self.drafter.free and r.params.temperature == 0 and \
+                    r.params.constraint is None:
                 shadow = self._propose(r, 1)
                 if shadow is not None and shadow.tokens:
                     self._shadows[r.id] = (len(r.output_ids), shadow.tokens[0])
@@ -326,6 +333,20 @@ class Speculator:
         positions = self.gamma * len(out) if self.padded else sum(len(d.tokens) for d in out.values())
         self._proposed = (len(requests), len(out), positions)
         return out
+
+    def _group_pays(self, lengths: dict[Request, int]) -> bool:
+        """Whether this step's verification group pays for itself (`k3.serve.engine.payoff`): its rows' expected
+        gains exceed its own price ``G·B``, or a row probes (a probe is how prices are learnt). Otherwise the rows
+        that would draft are held until their next probe."""
+        drafting = [r for r, n in lengths.items() if n > 0]
+        if not drafting or any(self.lengths.probing(r.id) for r in drafting):
+            return True
+        if sum(self.lengths.gain(r.id, lengths[r]) for r in drafting) > self.cost.value[0] * len(lengths):
+            return True
+        for r in drafting:
+            self.lengths.hold(r.id)
+        self.counts["held"] += len(drafting)
+        return False
 
     def _propose(self, r: Request, length: int) -> Draft | None:
         return self.drafter.propose(r.id, r.prompt + r.output_ids[:-1], r.pending, r.params, r.prompt, r.output_ids,
@@ -343,7 +364,7 @@ class Speculator:
         verification (`StepCost`) and draft by it."""
         if self.cost is not None and self._proposed[0]:
             self.cost.record(*self._proposed, seconds)
-            self.lengths.fixed, self.lengths.cost = self.cost.value
+            _, self.lengths.fixed, self.lengths.cost = self.cost.value
 
     def observe(self, request: Request, tokens: list[int], features: Tensor | None) -> None:
         """The target consumed ``tokens`` of ``request`` with ``features`` (for a drafter that reads them); the first

@@ -19,17 +19,24 @@ tells whether the proposal's first token would have been accepted (`DraftLength.
 verification, which ends the pause as soon as drafting pays.
 Tokens never depend on this choice (verification is lossless): only how many are drafted does.
 
-The stated ``c`` is a guess; what a drafted position really costs depends on the machine, compiled graphs or not,
-and the batch. `StepCost` measures ``f`` and ``c``: the first decode step (no prefill in it) and every
+A step's verification group also has a price of its own, ``G`` plain steps whatever its rows (a second group in the
+model call beside the decode rows; measured at batch 8 on `mini`: the first verifying row added 5.6 ms to a 7.8-ms
+step, each further row ~2 ms). The whole batch pays it, so no row can judge it alone: `Speculator` lets a step verify
+only when its rows' `DraftLength.gain` together exceed ``G·B`` row shares (or one of them is probing), and holds the
+others until their next probe (`DraftLength.hold`).
+
+The stated ``c`` is a guess; what verification really costs depends on the machine, compiled graphs or not,
+and the batch. `StepCost` measures ``G``, ``f`` and ``c``: the first decode step (no prefill in it) and every
 ``every``-th after it draft nothing, timing a plain step at that batch size; a step at batch ``B`` with ``k``
 verified rows and ``n`` drafted positions that took ``r`` plain steps' time is one observation
-``(r − 1)·B = f·k + c·n``, and ``(f, c)`` is their least-squares fit, older steps weighted down by ``decay`` per
-step (padded verification counts ``gamma`` positions per verified row, whatever was drafted: a one-draft probe must
-not look four times dearer). While every observed run had the same width the two cannot be told apart and ``f`` stays
-0 — ``c = Σ(r − 1)·B·n / Σn²``, which prices runs of that width right and shorter ones too cheaply, so a request
-that then drafts shorter runs separates the two. (Pricing every run by a short one's width — probes of one draft,
-as before — made long runs look dear: the verification's fixed part counted per position, and a request that only
-ever drafted short runs never learnt otherwise.) Once measured, ``(f, c)`` replaces the stated price.
+``(r − 1)·B = G·B + f·k + c·n``, and ``(G, f, c)`` is their non-negative least-squares fit, older steps weighted
+down by ``decay`` per step (padded verification counts ``gamma`` positions per verified row, whatever was drafted: a
+one-draft probe must not look four times dearer). What the observations cannot tell apart goes to ``c`` first:
+while every run had one width (at batch 1, ``B = k``), ``c = Σ(r − 1)·B·n / Σn²`` prices runs of that width right
+and shorter ones too cheaply, so a request that then drafts shorter runs separates them. (Pricing every run by a
+short one's width — probes of one draft, as before — made long runs look dear: the verification's fixed part
+counted per position, and a request that only ever drafted short runs never learnt otherwise.) Once measured,
+``(G, f, c)`` replaces the stated price.
 """
 
 from __future__ import annotations
@@ -50,6 +57,7 @@ class _Record:
     examined: float  # decayed Σ drafts examined (accepted, plus the rejected one)
     probe_at: int | None = None  # while paused: the step of the next probe
     pause: int = 0  # the length of the last pause
+    probed: int = -1  # the step of the last probe
 
 
 class DraftLength:
@@ -94,12 +102,29 @@ class DraftLength:
         if r.probe_at is not None:
             if self.now < r.probe_at:
                 return 0
-            r.probe_at = None
+            r.probe_at, r.probed = None, self.now
             return self.gamma  # the pause ends: probe
         best = self.best(self.acceptance(request_id))
         if best == 0:  # no run will come to update α (a probe found nothing to draft, or the price rose): wait again
             self._pause(r, r.pause or self.min_pause)
         return best
+
+    def probing(self, request_id: str) -> bool:
+        """Whether the request's draft this step is a probe (its pause just ended)."""
+        r = self._records.get(request_id)
+        return r is not None and r.probed == self.now
+
+    def gain(self, request_id: str, gamma: int) -> float:
+        """Tokens a run of ``gamma`` drafts is expected to keep beyond its own price (1 + f + c·γ plain-step shares
+        of its row): what the request brings to a step's verification group."""
+        width = self.gamma if self.padded else gamma
+        return expected_tokens(self.acceptance(request_id), gamma) - (1 + self.fixed + self.cost * width)
+
+    def hold(self, request_id: str) -> None:
+        """The step's verification group would not pay for itself (`Speculator`): decode plainly until the next
+        probe, as after a pause."""
+        r = self._records.setdefault(request_id, _Record(*self.prior))
+        self._pause(r, r.pause or self.min_pause)
 
     def update(self, request_id: str, drafted: int, accepted: int) -> None:
         """A verified run of ``drafted`` drafts kept ``accepted`` of them."""
@@ -130,23 +155,49 @@ class DraftLength:
         self._records.pop(request_id, None)
 
 
+#: `StepCost`'s prices in the order it prefers them while the observations cannot tell them apart: per drafted
+#: position first (right for the widths seen, too cheap for shorter runs, so drafting shorter runs reveals the rest),
+#: then per verified row, then per step; indices into (G, f, c).
+_SUBSETS = ((2,), (1,), (0,), (1, 2), (0, 2), (0, 1), (0, 1, 2))
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """``a x = b`` by Gaussian elimination with partial pivoting; None when ``a`` is (nearly) singular."""
+    n = len(b)
+    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    scale = max(abs(v) for row in a for v in row) or 1.0
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda i: abs(m[i][col]))
+        if abs(m[pivot][col]) <= 1e-9 * scale:
+            return None
+        m[col], m[pivot] = m[pivot], m[col]
+        for i in range(col + 1, n):
+            factor = m[i][col] / m[col][col]
+            m[i] = [v - factor * w for v, w in zip(m[i], m[col])]
+    x = [0.0] * n
+    for i in reversed(range(n)):
+        x[i] = (m[i][n] - sum(m[i][j] * x[j] for j in range(i + 1, n))) / m[i][i]
+    return x
+
+
 class StepCost:
-    """The measured price of verification in plain decode steps (module docstring): ``value`` is ``(f, c)`` — a
-    verified row's fixed price and a drafted position's — ``(0, cost)`` as stated until a speculative step could be
-    compared with a plain one of its batch size."""
+    """The measured price of verification in plain decode steps (module docstring): ``value`` is ``(G, f, c)`` —
+    a verification group's price per step, a verified row's and a drafted position's — ``(0, 0, cost)`` as stated
+    until a speculative step could be compared with a plain one of its batch size."""
 
     def __init__(self, cost: float, every: int = 16, decay: float = 0.9) -> None:
         if cost < 0 or every < 2 or not 0 < decay < 1:
             raise ValueError(f"step cost: invalid settings cost={cost}, every={every}, decay={decay}")
         self.stated, self.every, self.decay = cost, every, decay
-        self.measured: tuple[float, float] | None = None
+        self.measured: tuple[float, float, float] | None = None
         self._plain: dict[int, float] = {}  # batch size -> decayed mean seconds of a plain decode step
-        self._moments = [0.0] * 5  # decayed Σk², Σkn, Σn², Σk·y, Σn·y of the observations y = f·k + c·n
+        self._xx = [[0.0] * 3 for _ in range(3)]  # decayed Σ x xᵀ, Σ x y, Σ y² of the observations
+        self._xy, self._yy = [0.0] * 3, 0.0  # y = G·B + f·k + c·n, x = (B, k, n)
         self._steps = 0
 
     @property
-    def value(self) -> tuple[float, float]:
-        return (0.0, self.stated) if self.measured is None else self.measured
+    def value(self) -> tuple[float, float, float]:
+        return (0.0, 0.0, self.stated) if self.measured is None else self.measured
 
     def plain_step(self) -> bool:
         """Whether this decode step drafts nothing, to time a plain step: the first, then one in ``every``."""
@@ -165,20 +216,22 @@ class StepCost:
         plain = self._plain.get(batch)
         if plain is None:
             return
-        y = (seconds / plain - 1) * batch
-        observed = (rows * rows, rows * drafted, drafted * drafted, rows * y, drafted * y)
-        self._moments = [self.decay * m + o for m, o in zip(self._moments, observed)]
+        x, y = (batch, rows, drafted), (seconds / plain - 1) * batch
+        d = self.decay
+        self._xx = [[d * self._xx[i][j] + x[i] * x[j] for j in range(3)] for i in range(3)]
+        self._xy = [d * self._xy[i] + x[i] * y for i in range(3)]
+        self._yy = d * self._yy + y * y
         self.measured = self._fit()
 
-    def _fit(self) -> tuple[float, float]:
-        """The non-negative least-squares ``(f, c)`` of the observations; ``f = 0`` while they cannot tell the two
-        apart (every run of one width)."""
-        kk, kn, nn, ky, ny = self._moments
-        det = kk * nn - kn * kn
-        if det > 1e-9 * kk * nn:
-            f, c = (nn * ky - kn * ny) / det, (kk * ny - kn * ky) / det
-            if f >= 0 and c >= 0:
-                return f, c
-            if c < 0 <= ky:  # the price does not grow with the width: it is all fixed
-                return ky / kk, 0.0
-        return 0.0, max(0.0, ny / nn)
+    def _fit(self) -> tuple[float, float, float]:
+        """The non-negative least-squares ``(G, f, c)``: of the price subsets the observations determine, the one
+        with the least residual (the earlier of `_SUBSETS` on a tie)."""
+        best, out = None, (0.0, 0.0, 0.0)
+        for subset in _SUBSETS:
+            x = _solve([[self._xx[i][j] for j in subset] for i in subset], [self._xy[i] for i in subset])
+            if x is None or min(x) < 0:
+                continue
+            residual = self._yy - sum(v * self._xy[i] for v, i in zip(x, subset))
+            if best is None or residual < best - 1e-9 * max(self._yy, 1e-12):
+                best, out = residual, tuple(next((v for v, i in zip(x, subset) if i == k), 0.0) for k in range(3))
+        return out
