@@ -100,6 +100,12 @@ def build(options: EngineOptions, target, tokenizer, compiled: CompiledModel | N
                   adaptive_draft=not options.always_draft, compile=compiled)
 
 
+def tokens_per_second(timed: tuple[float, list[list[int]]]) -> float:
+    """Decode tokens per second of one engine's `decode` in a pass."""
+    seconds, outputs = timed
+    return sum(map(len, outputs)) / seconds
+
+
 def timed_pass(engines: dict[str, Engine], batch: list[list[int]], params: SamplingParams) -> dict:
     """Each engine decodes ``batch`` in turn: its seconds and tokens."""
     return {name: decode(engine, batch, params) for name, engine in engines.items()}
@@ -142,18 +148,17 @@ def main() -> None:
                 timed_pass(engines, batch, params)  # warm-up
                 passes = [timed_pass(engines, batch, params) for _ in range(args.passes)]
                 plain_tokens = passes[0]["plain"][1]
-                plain_rate = statistics.median(sum(map(len, p["plain"][1])) / p["plain"][0] for p in passes)
+                plain_rate = statistics.median(tokens_per_second(p["plain"]) for p in passes)
                 for key, engine in engines.items():
                     if key == "plain":
                         continue
                     name, always = key
                     if temperature == 0:
                         assert all(p[key][1] == plain_tokens for p in passes), f"{key}: greedy differs from plain"
-                    rate = statistics.median(sum(map(len, p[key][1])) / p[key][0] for p in passes)
+                    rate = statistics.median(tokens_per_second(p[key]) for p in passes)
                     # the ratio within each pass (plain beside it), then the median: the machine's drift between passes
                     # moves both rates of a pass alike
-                    ratio = statistics.median((sum(map(len, p[key][1])) / p[key][0]) /
-                                              (sum(map(len, p["plain"][1])) / p["plain"][0]) for p in passes)
+                    ratio = statistics.median(tokens_per_second(p[key]) / tokens_per_second(p["plain"]) for p in passes)
                     stats = engine.speculation
                     rows.append({"workload": workload, "drafter": name, "gamma": "always" if always else "adaptive",
                                  "batch": batch_size, "temperature": temperature, "plain_tok_s": plain_rate,

@@ -91,7 +91,7 @@ class DecoderState:
             elif chunk_size is None:
                 layers.append(now.truncate(before.length + n))
             else:
-                layers.append(MLACache(now.latent[:, :before.length + n], now.shared_key[:, :before.length + n]))
+                layers.append(now.first(before.length + n))
         return DecoderState(layers, r.depth[:, n - 1], r.before.position + n)
 
     @property
@@ -133,8 +133,7 @@ class DecoderState:
             raise ValueError(f"with_attention: needs an unpadded continuation at position >= {self.position}, got "
                              f"{later.position}")
         n = self.position
-        layers = [s if isinstance(s, KDAState) else MLACache(a.latent[:, :n], a.shared_key[:, :n])
-                  for s, a in zip(self.layers, later.layers, strict=True)]
+        layers = [s if isinstance(s, KDAState) else a.first(n) for s, a in zip(self.layers, later.layers, strict=True)]
         return DecoderState(layers, self.depth, self.position)
 
     def to(self, device: torch.device | str | None = None) -> DecoderState:

@@ -56,11 +56,16 @@ class KDAReplay:
     beta: Tensor  # [B, T, H]
 
 
+def chunk_length(chunk_size: int, T: int) -> int:
+    """The recurrence's chunk length for a prefill of ``T`` tokens: short pieces are not padded to a long chunk."""
+    return min(chunk_size, -(-T // 16) * 16)
+
+
 def advance(records: list[KDAReplay], states: list[KDAState], n: int, chunk_size: int | None = None
             ) -> list[KDAState]:
     """Each KDA layer's state before a run (``states``) after the first ``n`` tokens of its ``records``: token by
     token as decoding does, or with a ``chunk_size`` in the chunked form, as a prefill of those ``n`` tokens would
-    (`KDALayer.chunk_for`: a prefix-cache cut inside a prefill piece). The layers' recurrences run as one batch,
+    (`chunk_length`: a prefix-cache cut inside a prefill piece). The layers' recurrences run as one batch,
     stacked along the batch dimension (every row of a KDA recurrence is independent; a model's KDA layers share one
     `KDAConfig`), so replaying a whole model costs one recurrence's calls, not one per layer."""
     if not records:
@@ -70,8 +75,7 @@ def advance(records: list[KDAReplay], states: list[KDAState], n: int, chunk_size
                         for name in ("q", "k", "v", "g", "beta"))
     recurrent = torch.cat([s.recurrent for s in states])
     if chunk_size is not None:
-        _, recurrent = kda.chunked(q, k, v, g, beta, initial_state=recurrent,
-                                   chunk_size=min(chunk_size, -(-n // 16) * 16))
+        _, recurrent = kda.chunked(q, k, v, g, beta, initial_state=recurrent, chunk_size=chunk_length(chunk_size, n))
     else:
         for t in range(n):
             _, recurrent = kda.step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], recurrent)
@@ -217,13 +221,9 @@ class KDALayer(nn.Module):
             o, final = kda_fla.chunked(q, k, v, g, beta, initial)
         else:
             floor = self.g_min if self.gate == "bounded" else float("-inf")
-            o, final = kda.chunked(q, k, v, g, beta, initial_state=initial, chunk_size=self.chunk_for(T),
-                                   decay_floor=floor)
+            o, final = kda.chunked(q, k, v, g, beta, initial_state=initial,
+                                   chunk_size=chunk_length(self.chunk_size, T), decay_floor=floor)
         return self.readout(projected, o), None if state is None else KDAState(conv=window, recurrent=final)
-
-    def chunk_for(self, T: int) -> int:
-        """The recurrence's chunk length for ``T`` tokens: short prefill chunks are not padded to a long chunk."""
-        return min(self.chunk_size, -(-T // 16) * 16)
 
     def projections(self, x: Tensor) -> KDAProjections:
         """``x`` ``[B, T, d]`` times the q, k, v, decay, β and output-gate weights (one product where `project`

@@ -101,10 +101,14 @@ class MLACache:
             return MLACache(torch.cat([self.latent, latent], dim=1), torch.cat([self.shared_key, shared_key], dim=1))
         return self.slots(latent.shape[1]).append(latent, shared_key)
 
+    def first(self, length: int) -> MLACache:
+        """The first ``length`` entries, as views (a cache of plain tensors: its next append copies)."""
+        return MLACache(self.latent[:, :length], self.shared_key[:, :length])
+
     def truncate(self, length: int) -> MLACache:
         """The first ``length`` entries, appendable in place in this cache's storage (a rejected speculative run:
         the positions past ``length`` are written over by the next append, so this cache must not be read after)."""
-        out = MLACache(self.latent[:, :length], self.shared_key[:, :length])
+        out = self.first(length)
         store = self.storage
         return out if store is None or store.length != self.length else store.advance(out)
 

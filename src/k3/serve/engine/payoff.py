@@ -90,9 +90,7 @@ class DraftLength:
     def best(self, alpha: float) -> int:
         """The γ ≤ ``gamma`` with the most expected tokens per cost; 0 when none beats plain decoding. ``padded``:
         every verification is ``gamma + 1`` wide (compiled graphs), so any γ > 0 costs 1 + f + c·``gamma``."""
-        gain = [expected_tokens(alpha, g) / (1 + self.fixed * (g > 0) + self.cost * (self.gamma if self.padded and g
-                                                                                     else g))
-                for g in range(self.gamma + 1)]
+        gain = [expected_tokens(alpha, g) / self.price(g) for g in range(self.gamma + 1)]
         best = max(range(self.gamma + 1), key=gain.__getitem__)
         return best if gain[best] > 1 else 0
 
@@ -114,11 +112,17 @@ class DraftLength:
         r = self._records.get(request_id)
         return r is not None and r.probed == self.now
 
+    def price(self, gamma: int) -> float:
+        """A step's price for a row drafting ``gamma`` tokens, in plain-step shares of that row: 1 + f + c·γ (γ
+        positions verified; ``gamma`` when padded), 1 for a row that drafts nothing."""
+        if gamma == 0:
+            return 1.0
+        return 1 + self.fixed + self.cost * (self.gamma if self.padded else gamma)
+
     def gain(self, request_id: str, gamma: int) -> float:
-        """Tokens a run of ``gamma`` drafts is expected to keep beyond its own price (1 + f + c·γ plain-step shares
-        of its row): what the request brings to a step's verification group."""
-        width = self.gamma if self.padded else gamma
-        return expected_tokens(self.acceptance(request_id), gamma) - (1 + self.fixed + self.cost * width)
+        """Tokens a run of ``gamma`` drafts is expected to keep beyond its own `price`: what the request brings to a
+        step's verification group."""
+        return expected_tokens(self.acceptance(request_id), gamma) - self.price(gamma)
 
     def hold(self, request_id: str) -> None:
         """The step's verification group would not pay for itself (`Speculator`): decode plainly until the next

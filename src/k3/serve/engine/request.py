@@ -138,10 +138,10 @@ class Request:
     def prompt_done(self) -> bool:
         return self.prefilled == len(self.prompt)
 
-    def passes_cut(self, tokens: int) -> bool:
-        """Whether a prefill piece of ``tokens`` from here passes a cut: its checkpoint is then rolled back from the
-        piece's `Replay` (`Scheduler.update`)."""
-        return any(self.prefilled < c < self.prefilled + tokens for c in self.cuts)
+    def cuts_inside(self, tokens: int) -> list[int]:
+        """The cuts a prefill piece of ``tokens`` from here passes (not the one it ends at): their checkpoints are
+        rolled back from the piece's `Replay` (`Scheduler.update`)."""
+        return [c for c in self.cuts if self.prefilled < c < self.prefilled + tokens]
 
 
 def new_request(prompt: list[int], params: SamplingParams, processor: Processor | None,

@@ -84,7 +84,7 @@ class Runner:
         groups = [(ids([piece]) if r.embeds is None else r.embeds[r.prefilled:r.prefilled + len(piece)][None],
                    r.state) for r, piece in plan.pieces]
         full = [r.prompt_logprobs is not None for r, _ in plan.pieces]
-        replay = [r.passes_cut(len(piece)) for r, piece in plan.pieces]  # a prefix-cache checkpoint inside
+        replay = [bool(r.cuts_inside(len(piece))) for r, piece in plan.pieces]  # a prefix-cache checkpoint inside
         consumed = [piece for _, piece in plan.pieces]
         runs = [[r.pending, *d.tokens] for r, d in verifying]
         if verifying:

@@ -133,9 +133,9 @@ class Scheduler:
         reached is checkpointed in the prefix cache (its key is returned), so is each cut the piece passed (rolled
         back from the piece's `Replay`), a prompt just read gives its pages, and a decode landing on a block boundary
         is remembered for `finish`."""
-        before = request.prefilled
+        before, passed = request.prefilled, request.cuts_inside(read)
         request.prefilled += read
-        for cut in (c for c in request.cuts if before < c < request.prefilled):
+        for cut in passed:
             self.prefix_cache.insert(request.prompt[:cut], state.prefix(cut - before, self.replay_chunk),
                                      request.salt)
         # a decode row's state is kept as it is: the runner continues its stacked batch while the rows are its own
