@@ -122,7 +122,7 @@ def equivalence(device: torch.device, quick: bool) -> dict:
     features = {
         "plain": lambda m: {},
         "prefix cache": lambda m: {"prefix_cache": PrefixCache(m.config.layer_kinds(), 2**28, 16, checkpoint_every=1)},
-        "n-gram speculation": lambda m: {"drafter": NGramDrafter(512, min_n=1, device=m.device),
+        "n-gram speculation": lambda m: {"drafter": NGramDrafter(min_n=1),
                                          "adaptive_draft": False},
         "compiled": lambda m: {"compile": CompiledModel(m, batches=(1,), sizes=(1, 16), tuned=False),
                                "prefill_chunk": 16},

@@ -68,7 +68,7 @@ def run(engine: Engine) -> list[tuple[list[int], str | None]]:
 ENGINES: dict[str, Callable[[object], dict]] = {
     "plain": lambda m: {},
     "prefix cache": lambda m: {"prefix_cache": PrefixCache(m.config.layer_kinds(), 2**26, 16, checkpoint_every=1)},
-    "n-gram drafts": lambda m: {"drafter": NGramDrafter(serving.VOCAB, min_n=1, device=m.device),
+    "n-gram drafts": lambda m: {"drafter": NGramDrafter(min_n=1),
                                 "adaptive_draft": False},
     "model drafts": lambda m: {"drafter": ModelDrafter(serving.model(seed=1)), "adaptive_draft": False},
     "compiled": lambda m: {"compile": CompiledModel(m, batches=(1, 2), sizes=(1, 16), tuned=False),

@@ -9,6 +9,7 @@ import torch
 
 import serving
 from k3.model.sequence.mla import MLACache
+from k3.model.state import DecoderState
 
 
 @pytest.mark.parametrize("keep", [1, 3, 5])
@@ -84,3 +85,43 @@ def test_prefix_refuses_what_accept_refuses():
         after.prefix(5, 64)
     with pytest.raises(ValueError, match="prefix: needs a batch-1"):
         state.prefix(1, 64)
+
+
+@pytest.mark.parametrize("ns", [[1, 5, 3], [5, 5, 5], [2, 1, 1], [5, 4, 5]])
+def test_accepting_each_row_of_a_stacked_verification_equals_reading_its_kept_tokens_alone(ns):
+    """`DecoderState.accept_rows` (one recurrence for every row's KDA replay): rows at different positions (a padded
+    stack), each keeping its own prefix of the run — whole runs included — equal the row verified alone and then
+    `accept`-ed, layer by layer in fp64, and the next step from each continues as from that state."""
+    model = serving.model().double()
+    text = serving.prompts()[5]
+    prompts, runs = [text[:20], text[30:41], text[50:77]], [text[80:85], text[90:95], text[100:105]]
+    with torch.inference_mode():
+        states = [model(torch.tensor([p]), state=model.new_state(1))[1] for p in prompts]
+        stacked = DecoderState.stack(states)
+        [(_, verified)] = model.forward_groups([(torch.tensor(runs), stacked)], full=[True], replay=[True])
+        got = verified.accept_rows(ns)
+        for state, run, n, row in zip(states, runs, ns, got, strict=True):
+            _, want = model(torch.tensor([run[:n]]), state=state)  # only the kept tokens, read alone
+            assert row.position == want.position == state.position + n and row.replay is None and row.padding is None
+            for g, w in zip(row.layers, want.layers, strict=True):
+                for name in vars(w):
+                    if not name.startswith("_"):
+                        torch.testing.assert_close(getattr(g, name), getattr(w, name), rtol=0, atol=1e-10)
+            torch.testing.assert_close(row.depth, want.depth, rtol=0, atol=1e-10)
+            next_got, _ = model(torch.tensor([[7]]), state=row)
+            next_want, _ = model(torch.tensor([[7]]), state=want)
+            torch.testing.assert_close(next_got, next_want, rtol=0, atol=1e-10)
+
+
+def test_accept_rows_refuses_a_count_outside_the_run_or_a_missing_row():
+    model = serving.model()
+    with torch.inference_mode():
+        states = [model(torch.tensor([p[:10]]), state=model.new_state(1))[1] for p in serving.prompts()[3:5]]
+        [(_, after)] = model.forward_groups([(torch.tensor([[1, 2, 3]] * 2), DecoderState.stack(states))],
+                                            full=[True], replay=[True])
+    with pytest.raises(ValueError, match=r"each count must be in \[1, 3\]"):
+        after.accept_rows([1, 4])
+    with pytest.raises(ValueError, match="one count per row"):
+        after.accept_rows([1])
+    with pytest.raises(ValueError, match="one count per row"):
+        states[0].accept_rows([1])

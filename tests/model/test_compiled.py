@@ -359,7 +359,7 @@ def test_compiled_verification_gives_plain_decoding_and_warm_up_builds_its_graph
     params = [SamplingParams(max_tokens=n, temperature=0) for n in (24, 12)]  # the second ends first: a row alone
 
     compiled = CompiledModel(model, batches=(2,), sizes=(1,), tuned=False)
-    engine = Engine(model, tok, max_batch=2, compile=compiled, drafter=NGramDrafter(model.config.vocab_size),
+    engine = Engine(model, tok, max_batch=2, compile=compiled, drafter=NGramDrafter(),
                     num_draft_tokens=3, adaptive_draft=False)
     assert engine.warm_up() > 0
     built = compiled.compilations

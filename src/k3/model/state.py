@@ -72,6 +72,36 @@ class DecoderState:
         as a prefill of those tokens would), MLA caches are views of their first rows."""
         return self._rolled_back(n, "prefix", chunk_size)
 
+    def accept_rows(self, ns: list[int]) -> list[DecoderState]:
+        """Each row of a stacked verification as its own batch-1 state after the first ``ns[b]`` tokens of its run:
+        `unstack` and then each row's `accept`, with every row's KDA layers replayed as one recurrence (a row that
+        keeps its whole run takes its state as it is). Batch 1 is `accept` (the MLA caches keep their storage)."""
+        r = self.replay
+        if r is None or len(ns) != self.batch_size:
+            raise ValueError(f"accept_rows: needs a state from forward_groups(..., replay=...) and one count per row "
+                             f"({self.batch_size}), got {len(ns)}")
+        if self.batch_size == 1:
+            return [self.accept(ns[0])]
+        run = self.position - r.before.position
+        if not all(1 <= n <= run for n in ns):
+            raise ValueError(f"accept_rows: each count must be in [1, {run}] (the run's length), got {ns}")
+        kda_layers = [i for i, record in enumerate(r.kda) if record is not None]
+        replayed = kda.advance_rows([r.kda[i] for i in kda_layers], [r.before.layers[i] for i in kda_layers],
+                                    [0 if n == run else n for n in ns])  # a whole run's row is this state's
+        rows = []
+        for b, (n, pad) in enumerate(zip(ns, self.row_padding().tolist())):
+            kept = iter(replayed[b])
+            row: list[LayerState] = []
+            for before, now in zip(r.before.layers, self.layers, strict=True):
+                if isinstance(now, MLACache):
+                    end = before.length + n
+                    row.append(MLACache(now.latent[b:b + 1, pad:end], now.shared_key[b:b + 1, pad:end]))
+                else:
+                    replayed_row = next(kept)
+                    row.append(KDAState(now.conv[b:b + 1], now.recurrent[b:b + 1]) if n == run else replayed_row)
+            rows.append(DecoderState(row, r.depth[b:b + 1, n - 1], r.before.position - pad + n))
+        return rows
+
     def _rolled_back(self, n: int, name: str, chunk_size: int | None) -> DecoderState:
         r = self.replay
         if r is None or self.batch_size != 1 or self.padding is not None:

@@ -203,7 +203,7 @@ class EngineOptions:
         if self.draft == "ngram":
             from k3.serve.engine.ngram import NGramDrafter
 
-            return NGramDrafter(target.config.vocab_size, device=target.device)
+            return NGramDrafter()
         from k3.model.draft import EagleDraft
         from k3.serve.engine.drafting import EagleDrafter, ModelDrafter
 

@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import serving
 from k3.serve.engine import Engine, SamplingParams
 from k3.serve.engine.drafting import Speculator
 from k3.serve.engine.ngram import NGramDrafter
+from k3.serve.engine.request import Joined, Request
 
 
 def lookup(tokens: list[int], gamma: int = 4, **kwargs) -> list[int]:
-    return NGramDrafter(100, **kwargs).lookup("r", tokens, gamma)
+    return NGramDrafter(**kwargs).lookup("r", tokens, gamma)
 
 
 def test_the_longest_suffix_wins_over_a_later_shorter_match():
@@ -37,7 +40,7 @@ def test_no_match_of_min_n_tokens_proposes_nothing():
 
 
 def test_proposals_stop_at_gamma_and_follow_a_growing_history():
-    drafter = NGramDrafter(100)
+    drafter = NGramDrafter()
     history = [1, 2, 3, 4, 5, 6, 1, 2]
     assert drafter.lookup("r", history, 3) == [3, 4, 5]
     history += [3, 9, 1, 2]  # the index is extended, not rebuilt: [1, 2] now last occurred before 3 9
@@ -46,12 +49,40 @@ def test_proposals_stop_at_gamma_and_follow_a_growing_history():
     assert drafter.lookup("r", [1, 2], 3) == []
 
 
+@given(st.lists(st.lists(st.integers(0, 9), max_size=6), max_size=4), st.integers(-1, 30), st.integers(-30, 30),
+       st.integers(-30, 30), st.sampled_from([1, 1, 2, -1]))
+def test_a_joined_view_reads_as_its_parts_concatenated(parts, length, start, stop, step):
+    whole = [t for part in parts for t in part]
+    whole = whole if length < 0 else whole[:length]
+    view = Joined(tuple(parts), None if length < 0 else length)
+    assert len(view) == len(whole)
+    assert view[start:stop:step] == whole[start:stop:step]
+    assert view[:] == whole and list(view) == whole
+    for i in range(-len(whole), len(whole)):
+        assert view[i] == whole[i]
+    for i in (len(whole), -len(whole) - 1):
+        with pytest.raises(IndexError):
+            view[i]
+
+
+def test_the_drafter_reads_a_request_through_a_view_of_its_tokens():
+    # prompt 5 6 7 5 6, output 7 8 (8 pending): the history is the prompt and the 7; its suffix 6 7 -> 5 6 7 ...
+    prompt, output = [5, 6, 7, 5, 6], [7, 8]
+    history = Joined((prompt, output), len(prompt) + len(output) - 1)
+    draft = NGramDrafter().propose("r", history, 8, SamplingParams(), prompt, output, None, 3)
+    assert draft is None  # ... but with the pending 8 the suffix 7 8 never occurred
+    request = Request("r", "r", prompt, SamplingParams(), None, None, None, pending=5, output_ids=[7, 5])
+    assert list(request.history) == [5, 6, 7, 5, 6, 7]  # everything before the pending token
+    assert NGramDrafter().propose("r", request.history, 5, SamplingParams(), prompt, [7, 5], None, 3).tokens == \
+        [6, 7, 5]
+
+
 def test_the_draft_distribution_is_one_hot_at_each_token():
-    draft = NGramDrafter(50).propose("r", [4, 5, 6, 4], 5, SamplingParams(), [], [], None, 3)
-    assert draft.tokens == [6, 4, 5]
+    draft = NGramDrafter().propose("r", [4, 5, 6, 4], 5, SamplingParams(), [], [], None, 3)
+    assert draft.tokens == [6, 4, 5] and draft.q is None  # deterministic: made only where a verification reads it
     expected = torch.zeros(3, 50, dtype=torch.float64)
     expected[0, 6] = expected[1, 4] = expected[2, 5] = 1.0
-    assert torch.equal(draft.q, expected)
+    assert torch.equal(draft.distributions(50, torch.device("cpu")), expected)
 
 
 @pytest.mark.parametrize("adaptive", [True, False])
@@ -63,7 +94,7 @@ def test_greedy_tokens_equal_plain_decoding_and_repeats_are_accepted(tok, adapti
     prompts = [serving.prompts()[3] + serving.CYCLE * 2, *serving.prompts()[2:5]]
     params = SamplingParams(max_tokens=24, temperature=0, logprobs=1)
     plain = Engine(model, tok)
-    spec = Engine(model, tok, drafter=NGramDrafter(model.config.vocab_size), adaptive_draft=adaptive)
+    spec = Engine(model, tok, drafter=NGramDrafter(), adaptive_draft=adaptive)
     for prompt in prompts:
         want = [(o.token_ids, [t.logprob for t in o.logprobs]) for o in plain.generate(prompt, params)]
         got = [(o.token_ids, [t.logprob for t in o.logprobs]) for o in spec.generate(prompt, params)]
@@ -81,7 +112,7 @@ def test_sampled_requests_end_like_plain_ones(tok):
     exactness is `test_speculative`'s); here: the request runs to max_tokens with valid ids and no error."""
     params = SamplingParams(max_tokens=20, temperature=0.7, seed=5)
     model = serving.Cycling()
-    spec = Engine(model, tok, drafter=NGramDrafter(model.config.vocab_size), adaptive_draft=False)
+    spec = Engine(model, tok, drafter=NGramDrafter(), adaptive_draft=False)
     outputs = list(spec.generate(serving.prompts()[3] + serving.CYCLE * 2, params))
     tokens = [t for o in outputs for t in o.token_ids]
     assert outputs[-1].finish_reason == "length" and len(tokens) == 20 and max(tokens) < tok.vocab_size

@@ -34,12 +34,12 @@ def test_full_acceptance_drafts_the_most_and_none_stops():
     assert lengths.length("bad") == 0
 
 
-def steps(lengths: DraftLength, request: str, n: int) -> list[int]:
+def steps(lengths: DraftLength, request: str, n: int, watched: bool = False) -> list[int]:
     """The draft lengths of ``request`` in the next ``n`` engine steps."""
     out = []
     for _ in range(n):
         lengths.tick()
-        out.append(lengths.length(request))
+        out.append(lengths.length(request, watched))
     return out
 
 
@@ -123,26 +123,48 @@ def test_a_model_drafter_catches_up_after_steps_without_drafts():
 
 def test_step_cost_fits_a_fixed_and_a_per_position_price_from_timed_steps():
     """Each speculative step r plain steps long at batch B, with k verified rows and n drafted positions, is one
-    observation (r − 1)·B = f·k + c·n; ``value`` is the decayed least-squares (f, c): the stated (0, c) until a plain
-    step of that batch size was timed, f = 0 while every run had one width, both once two widths were seen, and all
-    of it in f when a wider run costs no more. The first step and one in ``every`` are plain ones."""
+    observation (r − 1)·B = f·k + c·n, complete once the step after it is timed; ``value`` is the decayed
+    least-squares (f, c): the stated (0, c) until a plain step of that batch size was timed, f = 0 while every run
+    had one width, both once two widths were seen, and all of it in f when a wider run costs no more. The first step
+    and one in ``every`` are plain ones."""
     cost = StepCost(0.1, every=4, decay=0.5)
     cost.record(1, 1, 4, 2.0)  # no plain step of batch 1 yet
-    assert cost.value == (0.0, 0.0, 0.1)
     cost.record(1, 0, 0, 1.0)
-    cost.record(1, 1, 4, 2.0)  # 1 = 4c: one width
+    assert cost.value == (0.0, 0.0, 0.1)
+    cost.record(1, 1, 4, 2.0)
+    assert cost.value == (0.0, 0.0, 0.1)  # held until the next step is timed
+    cost.record(1, 0, 0, 1.0)  # a plain step's time after it: 1 = 4c, one width
     assert cost.value == pytest.approx((0.0, 0.0, 0.25))
-    cost.record(1, 1, 1, 1.5)  # 0.5 = f + c, with 1 = f + 4c: f = 1/3, c = 1/6 (at batch 1, G and f are one)
-    assert cost.value == pytest.approx((0.0, 1 / 3, 1 / 6))
-    cost.record(8, 0, 0, 2.0)
-    cost.record(8, 4, 16, 3.0)  # (1.5 − 1)·8 = 4 = 4f + 16c: the same prices
+    cost.record(1, 1, 1, 1.5)
+    cost.record(1, 1, 4, 2.0)  # a verification right after one: the first is complete as it was, 0.5 = f + c
+    assert cost.value == pytest.approx((0.0, 1 / 3, 1 / 6))  # with 1 = f + 4c (at batch 1, G and f are one)
+    cost.record(8, 0, 0, 2.0)  # completes the batch-1 verification (1 = f + 4c again), then times batch 8
+    cost.record(8, 4, 16, 3.0)
+    cost.record(8, 0, 0, 2.0)  # (1.5 − 1)·8 = 4 = 4f + 16c: the same prices
     assert cost.value == pytest.approx((0.0, 1 / 3, 1 / 6))
     assert [cost.plain_step() for _ in range(8)] == [True, False, False, False] * 2
     flat = StepCost(0.1, decay=0.5)
     flat.record(1, 0, 0, 1.0)
     flat.record(1, 1, 4, 2.0)
-    flat.record(1, 1, 1, 2.5)  # the shorter run cost more: no per-position price, f = (0.5·1 + 1.5) / (0.5 + 1)
+    flat.record(1, 1, 1, 2.5)
+    flat.record(1, 0, 0, 1.0)  # the shorter run cost more: no per-position price, f = (0.5·1 + 1.5) / (0.5 + 1)
     assert flat.value == pytest.approx((0.0, 4 / 3, 0.0))
+
+
+def test_a_verifications_price_includes_the_step_after_it():
+    """A verification of 4 drafts costs 1.5 plain steps, and the plain step after it 1.5 (its row rejoins the decode
+    batch): the run's price is 1 plain step, c = 1/4, and the plain steps' time stays 1 (the step after a verification
+    is no plain step's sample)."""
+    cost = StepCost(0.1, decay=0.5)
+    cost.record(1, 0, 0, 1.0)
+    for _ in range(3):
+        cost.record(1, 1, 4, 1.5)
+        cost.record(1, 0, 0, 1.5)
+    assert cost.value == pytest.approx((0.0, 0.0, 0.25))
+    cost.record(1, 0, 0, 1.0)  # a plain step after a plain one: the plain time is still 1
+    cost.record(1, 1, 4, 1.5)
+    cost.record(1, 0, 0, 1.5)
+    assert cost.value == pytest.approx((0.0, 0.0, 0.25))
 
 
 @pytest.mark.parametrize("price", [0.05, 2.0])
@@ -160,7 +182,7 @@ def test_the_measured_price_of_a_draft_decides_whether_to_draft(tok, monkeypatch
     monkeypatch.setattr(Speculator, "timed", lambda self, seconds: timed(self, 1.0 + price * self._proposed[2]))
     model = serving.Cycling()
     prompt, params = serving.prompts()[3] + serving.CYCLE * 2, SamplingParams(max_tokens=80, temperature=0)
-    engine = Engine(model, tok, drafter=NGramDrafter(model.config.vocab_size), num_draft_tokens=4)
+    engine = Engine(model, tok, drafter=NGramDrafter(), num_draft_tokens=4)
     tokens = [t for o in engine.generate(prompt, params) for t in o.token_ids]
     assert tokens == [t for o in Engine(model, tok).generate(prompt, params) for t in o.token_ids]
     stats = engine.speculation
@@ -230,6 +252,7 @@ def test_step_cost_separates_a_groups_price_from_its_rows_and_positions():
     cost.record(8, 0, 0, 1.0)
     for rows, width in [(1, 8), (2, 8), (4, 8), (1, 3), (4, 3), (2, 3)]:
         cost.record(8, rows, rows * width, 1.0 + (0.5 * 8 + 0.25 * rows + 0.0625 * rows * width) / 8)
+        cost.record(8, 0, 0, 1.0)
     assert cost.value == pytest.approx((0.5, 0.25, 0.0625))
 
 
@@ -251,10 +274,27 @@ def test_shadow_evidence_ends_a_pause_only_when_drafting_pays():
     assert lengths.length("r") == 4
 
 
-def test_a_paused_greedy_request_drafts_again_when_its_text_starts_repeating(tok, monkeypatch):
+def test_a_watched_request_never_probes_and_drafts_again_on_its_shadow_evidence():
+    """A request whose free proposals are checked against the target's tokens (`watched`) pays for no probe: paused,
+    it decodes plainly through the steps where an unwatched request probes (4, 8, 16, ...), however long, and drafts
+    again as soon as its shadow hits make drafting pay."""
+    lengths = DraftLength(gamma=4, cost=0.1, prior=0.0, pause=4)
+    lengths.update("r", 4, 0)
+    lengths.update("s", 4, 0)
+    assert steps(lengths, "s", 4) == [0, 0, 0, 4]  # unwatched: the probe at step 4
+    assert lengths.length("r", watched=True) == 0
+    assert steps(lengths, "r", 300, watched=True) == [0] * 300
+    for _ in range(2):
+        lengths.shadow("r", True)
+    assert lengths.length("r", watched=True) > 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_paused_request_drafts_again_when_its_text_starts_repeating(tok, monkeypatch, temperature):
     """An n-gram drafter (free proposals) on a request that starts paused (no acceptance credited): its proposals
     are checked against the target's tokens while it decodes plainly, and it drafts within a few steps, not at the
-    first probe 16 steps later. Tokens stay plain decoding's."""
+    first probe 16 steps later — a sampled request too (the target samples the cycle's token: probability ~1).
+    Tokens stay plain decoding's."""
     import serving
     from k3.serve.engine import Engine, SamplingParams
     from k3.serve.engine.drafting import Speculator
@@ -263,8 +303,9 @@ def test_a_paused_greedy_request_drafts_again_when_its_text_starts_repeating(tok
     timed = Speculator.timed
     monkeypatch.setattr(Speculator, "timed", lambda self, seconds: timed(self, 1.0 + 0.05 * self._proposed[2]))
     model = serving.Cycling()
-    prompt, params = serving.prompts()[3] + serving.CYCLE * 2, SamplingParams(max_tokens=40, temperature=0)
-    engine = Engine(model, tok, drafter=NGramDrafter(model.config.vocab_size), num_draft_tokens=4)
+    prompt = serving.prompts()[3] + serving.CYCLE * 2
+    params = SamplingParams(max_tokens=40, temperature=temperature, seed=0)
+    engine = Engine(model, tok, drafter=NGramDrafter(), num_draft_tokens=4)
     engine.speculator.lengths.prior = (0.0, 2.0)  # α starts at 0: the request pauses at its first step
     tokens = [t for o in engine.generate(prompt, params) for t in o.token_ids]
     assert tokens == [t for o in Engine(model, tok).generate(prompt, params) for t in o.token_ids]
@@ -285,7 +326,7 @@ def test_a_verification_group_runs_only_when_its_rows_gain_more_than_its_price()
     from k3.serve.engine.drafting import Speculator
     from k3.serve.engine.ngram import NGramDrafter
 
-    speculator = Speculator(NGramDrafter(64), 4, 1000)
+    speculator = Speculator(NGramDrafter(), 4, 1000)
     speculator.cost.measured = (1.0, 0.0, 0.1)
     lengths = speculator.lengths
     lengths.fixed, lengths.cost = 0.0, 0.1

@@ -95,3 +95,35 @@ def test_a_non_finite_row_fails_the_request_only_where_plain_sampling_reaches_it
         verify(logits, [10, 11, 12], temperature)  # d_1, d_2 accepted: row 2 must give the next token
     with pytest.raises(FloatingPointError):
         verify(logits[2:3], [], temperature)
+
+
+class _FirstRowPoisoned(serving.Cycling):
+    """`serving.Cycling` whose verification groups of several rows give NaN logits at every position of row 0."""
+
+    def forward_groups(self, groups, full=None, replay=None):
+        results = super().forward_groups(groups, full, replay)
+        for (ids, _), (logits, _), every in zip(groups, results, full or [False] * len(groups)):
+            if every and ids.shape[0] > 1:
+                logits[:ids.shape[1]] = float("nan")
+        return results
+
+
+def test_a_run_that_fails_to_verify_ends_only_its_own_request(tok):
+    """Two requests verified in one group, the first row's logits NaN: that request ends with an error and the other
+    keeps plain decoding's tokens (its row of the group's state is accepted beside the failed one)."""
+    from k3.serve.engine.ngram import NGramDrafter
+
+    model = _FirstRowPoisoned()
+    prompts = [serving.prompts()[3] + serving.CYCLE * 2, serving.prompts()[4] + serving.CYCLE * 2]
+    params = SamplingParams(max_tokens=24, temperature=0)
+    engine = Engine(model, tok, drafter=NGramDrafter(), num_draft_tokens=4,
+                    adaptive_draft=False)
+    outputs: dict[int, list] = {0: [], 1: []}
+    engine.add_requests([(p, params, None, outputs[i].append) for i, p in enumerate(prompts)])
+    while engine.has_work():
+        engine.step()
+    ends = {i: (o[-1].finish_reason, [t for x in o for t in x.token_ids]) for i, o in outputs.items()}
+    assert sorted(reason for reason, _ in ends.values()) == ["error", "length"]
+    survivor = next(i for i, (reason, _) in ends.items() if reason == "length")
+    plain = [t for o in Engine(serving.Cycling(), tok).generate(prompts[survivor], params) for t in o.token_ids]
+    assert ends[survivor][1] == plain and engine.speculation["accepted"] > 8

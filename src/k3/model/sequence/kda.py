@@ -86,6 +86,42 @@ def advance(records: list[KDAReplay], states: list[KDAState], n: int, chunk_size
     return out
 
 
+def advance_rows(records: list[KDAReplay], states: list[KDAState], counts: list[int]) -> list[list[KDAState]]:
+    """`advance` token by token with a count per batch row: row b of every layer after the first ``counts[b]``
+    tokens, as a list per row of each layer's batch-1 state. The rows run together, longest count first, and each
+    drops out of the batch once its count is reached, so the work is each row's own (a speculative verification's
+    rows keep runs of different lengths, `DecoderState.accept_rows`)."""
+    L, B = len(records), len(counts)
+    order = sorted(range(B), key=lambda b: -counts[b])
+    device = states[0].recurrent.device
+    index = torch.tensor(order, device=device)
+    steps = max(counts, default=0)
+
+    def rows_first(tensors: list[Tensor]) -> Tensor:  # [L] × [B, …] -> [B·L, …], rows in `order`, layers inner
+        return torch.stack(tensors, dim=1).index_select(0, index).flatten(0, 1)
+
+    q, k, v, g, beta = (rows_first([getattr(r, name)[:, :steps] for r in records])
+                        for name in ("q", "k", "v", "g", "beta"))
+    recurrent, done, live = rows_first([s.recurrent for s in states]), [None] * B, B
+    for t in range(steps + 1):
+        running = sum(counts[b] > t for b in order)
+        for rank in range(running, live):  # these rows' counts are reached: their states are final
+            done[order[rank]] = recurrent[rank * L:(rank + 1) * L]
+        live = running
+        if live:
+            _, recurrent = kda.step(q[:live * L, t], k[:live * L, t], v[:live * L, t], g[:live * L, t],
+                                    beta[:live * L, t], recurrent[:live * L])
+    out = []
+    for b, final in enumerate(done):
+        final = final.to(states[0].recurrent.dtype)
+        layers = []
+        for layer, (r, s) in enumerate(zip(records, states, strict=True)):
+            window = torch.cat([s.conv[b:b + 1], r.conv_in[b:b + 1, :counts[b]].to(s.conv.dtype)], dim=1)
+            layers.append(KDAState(window[:, window.shape[1] - s.conv.shape[1]:], final[layer:layer + 1]))
+        out.append(layers)
+    return out
+
+
 class ShortConv(nn.Module):
     """Causal depthwise 1-D convolution without bias, then SiLU (SPEC §1).
 

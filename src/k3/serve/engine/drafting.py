@@ -19,6 +19,7 @@ drafts in a step, and what the drafter is told of the target's features and of e
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Protocol
 
@@ -39,10 +40,19 @@ __all__ = ["Draft", "Drafter", "EagleDrafter", "ModelDrafter", "Speculator"]
 
 @dataclass
 class Draft:
-    """γ proposed tokens and the draft distributions ``q`` [γ, V] they were sampled from."""
+    """γ proposed tokens and the draft distributions ``q`` [γ, V] they were sampled from; None for a deterministic
+    draft (`distributions`: one-hot at its tokens, made only where a sampled verification reads it)."""
 
     tokens: list[int]
-    q: Tensor
+    q: Tensor | None = None
+
+    def distributions(self, vocab_size: int, device: torch.device) -> Tensor:
+        """``q`` ``[γ, vocab_size]`` (float64)."""
+        if self.q is not None:
+            return self.q
+        q = torch.zeros(len(self.tokens), vocab_size, dtype=torch.float64, device=device)
+        q[torch.arange(len(self.tokens), device=device), torch.tensor(self.tokens, device=device)] = 1.0
+        return q
 
 
 OUTPUT_BIN = 16  # output tokens per bin of the acceptance-by-output-length counts
@@ -62,9 +72,10 @@ class Drafter(Protocol):
         """The target consumed ``tokens`` (a prefill chunk, a decode token, or a verified run's kept tokens) and
         produced ``features`` ``[T, len(feature_layers), d]`` at them."""
 
-    def propose(self, request_id: str, history: list[int], pending: int, params: SamplingParams, prompt: list[int],
-                output: list[int], generator: torch.Generator | None, gamma: int) -> Draft | None:
-        """Up to ``gamma`` tokens after ``history`` + ``pending`` (None or no tokens: nothing to propose)."""
+    def propose(self, request_id: str, history: Sequence[int], pending: int, params: SamplingParams,
+                prompt: list[int], output: list[int], generator: torch.Generator | None, gamma: int) -> Draft | None:
+        """Up to ``gamma`` tokens after ``history`` + ``pending`` (None or no tokens: nothing to propose); ``history``
+        may be a view of the request's tokens (`Request.history`): slicing it copies only the slice."""
 
     def accept(self, request_id: str, accepted: int) -> None:
         """The target kept ``pending`` and the first ``accepted`` drafted tokens of the last proposal."""
@@ -102,8 +113,8 @@ class ModelDrafter:
         """The draft reads the tokens itself (`propose`, `accept`)."""
 
     @torch.inference_mode()
-    def propose(self, request_id: str, history: list[int], pending: int, params: SamplingParams, prompt: list[int],
-                output: list[int], generator: torch.Generator | None, gamma: int) -> Draft:
+    def propose(self, request_id: str, history: Sequence[int], pending: int, params: SamplingParams,
+                prompt: list[int], output: list[int], generator: torch.Generator | None, gamma: int) -> Draft:
         state, read = self._states.get(request_id) or (self.model.new_state(1), 0)
         if read < len(history):  # the first proposal, or steps decoded without drafting: catch up
             _, state = self._read(history[read:], state)
@@ -221,8 +232,8 @@ class EagleDrafter:
         seq.feature, seq.unread = fused[-1], ()
 
     @torch.inference_mode()
-    def propose(self, request_id: str, history: list[int], pending: int, params: SamplingParams, prompt: list[int],
-                output: list[int], generator: torch.Generator | None, gamma: int) -> Draft:
+    def propose(self, request_id: str, history: Sequence[int], pending: int, params: SamplingParams,
+                prompt: list[int], output: list[int], generator: torch.Generator | None, gamma: int) -> Draft:
         seq = self._sequences[request_id]
         self._catch_up(seq)
         tokens, q, _ = self.draft.propose(seq.feature, pending, seq.state, gamma, params, probabilities, generator,
@@ -278,8 +289,8 @@ class Speculator:
     ``accepted``, ``drafted_at_i`` / ``accepted_at_i`` (draft position i, from 1), ``runs_from_n`` / ``kept_from_n``
     (runs verified, and tokens they emitted, while the request's output held n to n + `OUTPUT_BIN` − 1 tokens),
     ``plain`` (a speculating drafter's request decoding plainly: no draft found, or adaptively paused), and
-    ``shadowed`` / ``shadow_hits`` (a paused greedy request's free proposals checked against the target's own
-    token, and those it confirmed: `DraftLength.shadow`) and ``held`` (rows that would have drafted in a step whose
+    ``shadowed`` / ``shadow_hits`` (a paused request's free proposals checked against the target's own token, and
+    those it confirmed: `DraftLength.shadow`) and ``held`` (rows that would have drafted in a step whose
     verification group would not have paid for itself)."""
 
     def __init__(self, drafter: Drafter | None, num_draft_tokens: int, max_model_len: int,
@@ -312,7 +323,7 @@ class Speculator:
         lengths = {}
         for r in requests:
             self._check_shadow(r)
-            wanted = self.gamma if self.lengths is None else self.lengths.length(r.id)
+            wanted = self.gamma if self.lengths is None else self.lengths.length(r.id, self._watched(r))
             room = min(r.params.max_tokens - len(r.output_ids) - 1, self.max_model_len - r.state.position - 2)
             lengths[r] = min(wanted, room) if r.params.constraint is None else 0
         if self.lengths is not None and not self._group_pays(lengths):
@@ -321,8 +332,7 @@ class Speculator:
             draft = None
             if length > 0:
                 draft = self._propose(r, length)
-            elif self.lengths is not None and self.drafter.free and r.params.temperature == 0 and \
-                    r.params.constraint is None:
+            elif self.lengths is not None and self._watched(r):
                 shadow = self._propose(r, 1)
                 if shadow is not None and shadow.tokens:
                     self._shadows[r.id] = (len(r.output_ids), shadow.tokens[0])
@@ -348,9 +358,13 @@ class Speculator:
         self.counts["held"] += len(drafting)
         return False
 
+    def _watched(self, r: Request) -> bool:
+        """Whether a paused ``r`` keeps proposing for free, its proposals checked against the target's own tokens
+        (`DraftLength.shadow`): a free drafter, and no grammar (a grammar's request never drafts)."""
+        return self.drafter.free and r.params.constraint is None
+
     def _propose(self, r: Request, length: int) -> Draft | None:
-        return self.drafter.propose(r.id, r.prompt + r.output_ids[:-1], r.pending, r.params, r.prompt, r.output_ids,
-                                    r.generator, length)
+        return self.drafter.propose(r.id, r.history, r.pending, r.params, r.prompt, r.output_ids, r.generator, length)
 
     def _check_shadow(self, r: Request) -> None:
         """The token the target sampled last step against the free proposal made for it (`DraftLength.shadow`)."""

@@ -8,13 +8,15 @@ into the suffix itself the sequence repeats with period (end − match), and the
 Its drafts are deterministic, so ``q`` is one-hot at each proposed token: the lossless rule accepts ``d_i`` with
 probability ``p_i(d_i)`` and on rejection samples ``p_i`` with ``d_i`` removed — exact for sampled requests too.
 
-Work per step is bounded: each request keeps an index of every n-gram (``min_n`` ≤ n ≤ ``max_n``) → the end of its
-latest occurrence, extended by the tokens that arrived since the last step (``max_n − min_n + 1`` dictionary writes
-per token), so a lookup is ``max_n − min_n + 1`` dictionary reads whatever the context length.
+Work per step is bounded: each request keeps its tokens and an index of every n-gram (``min_n`` ≤ n ≤ ``max_n``) →
+the end of its latest occurrence, both extended by the tokens that arrived since the last step (read from a view of
+the request's tokens, `k3.serve.engine.request.Joined`; ``max_n − min_n + 1`` dictionary writes per token), so a
+lookup is ``max_n − min_n + 1`` dictionary reads whatever the context length.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -27,28 +29,30 @@ __all__ = ["NGramDrafter"]
 
 @dataclass
 class _Index:
-    """A request's n-gram index over its first ``indexed`` positions: n-gram → end of its latest occurrence."""
+    """A request's n-gram index over its first ``indexed`` positions: n-gram → end of its latest occurrence; and
+    the request's tokens so far (`propose` copies only those that arrived since its last call)."""
 
     ends: dict[tuple[int, ...], int] = field(default_factory=dict)
     indexed: int = 0
+    tokens: list[int] = field(default_factory=list)
 
 
 class NGramDrafter:
-    """Prompt-lookup drafts for a target of ``vocab_size`` ids (module docstring). ``cost`` is the stated price of a
-    drafted position relative to a plain decode step, for the adaptive draft length (`k3.serve.engine.payoff`):
-    drafting is a few dictionary reads, so only the verified position's share of the target pass is charged."""
+    """Prompt-lookup drafts (module docstring). ``cost`` is the stated price of a drafted position relative to a
+    plain decode step, for the adaptive draft length (`k3.serve.engine.payoff`): drafting is a few dictionary reads,
+    so only the verified position's share of the target pass is charged."""
 
     feature_layers = feature_source = None
     cost = 0.1
     free = True  # a lookup: a paused request keeps proposing, checked against the target's own tokens
 
-    def __init__(self, vocab_size: int, max_n: int = 4, min_n: int = 2, device: torch.device | None = None) -> None:
+    def __init__(self, max_n: int = 4, min_n: int = 2) -> None:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"ngram: need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
-        self.vocab_size, self.max_n, self.min_n, self.device = vocab_size, max_n, min_n, device
+        self.max_n, self.min_n = max_n, min_n
         self._indexes: dict[str, _Index] = {}
 
-    def lookup(self, request_id: str, tokens: list[int], gamma: int) -> list[int]:
+    def lookup(self, request_id: str, tokens: Sequence[int], gamma: int) -> list[int]:
         """Up to ``gamma`` tokens that followed the latest earlier occurrence of the longest matching suffix of
         ``tokens`` (empty when no suffix of ``min_n`` or more tokens occurred before)."""
         index = self._indexes.setdefault(request_id, _Index())
@@ -72,14 +76,16 @@ class NGramDrafter:
     def observe(self, request_id: str, tokens: list[int], features: torch.Tensor | None) -> None:
         """Nothing to read: `propose` is given the request's tokens."""
 
-    def propose(self, request_id: str, history: list[int], pending: int, params: SamplingParams, prompt: list[int],
-                output: list[int], generator: torch.Generator | None, gamma: int) -> Draft | None:
-        tokens = self.lookup(request_id, [*history, pending], gamma)
-        if not tokens:
-            return None
-        q = torch.zeros(len(tokens), self.vocab_size, dtype=torch.float64, device=self.device)
-        q[torch.arange(len(tokens), device=self.device), torch.tensor(tokens, device=self.device)] = 1.0
-        return Draft(tokens, q)
+    def propose(self, request_id: str, history: Sequence[int], pending: int, params: SamplingParams,
+                prompt: list[int], output: list[int], generator: torch.Generator | None, gamma: int) -> Draft | None:
+        mirror = self._indexes.setdefault(request_id, _Index()).tokens
+        mirror += history[len(mirror):]  # a request's history only grows
+        mirror.append(pending)
+        try:
+            tokens = self.lookup(request_id, mirror, gamma)
+        finally:
+            mirror.pop()
+        return Draft(tokens) if tokens else None  # deterministic: q is one-hot at the tokens
 
     def accept(self, request_id: str, accepted: int) -> None:
         """Nothing to undo: the next lookup reads the tokens the request kept."""

@@ -14,9 +14,11 @@ nothing. When no γ > 0 beats plain decoding (E/C ≤ 1) the request decodes pla
 the probe must show); the pause doubles while probes keep losing (up to ``max_pause``). Ending pauses at multiples
 of their length lines the probes of a batch up in the same steps. A probe that drafted nothing (an n-gram drafter
 found no match) pauses again for as long, so a request is never left without probes. A drafter whose proposals
-cost nothing (the n-gram's lookup) keeps proposing for a paused greedy request, and the target's own next token
-tells whether the proposal's first token would have been accepted (`DraftLength.shadow`): evidence without a
-verification, which ends the pause as soon as drafting pays.
+cost nothing (the n-gram's lookup) keeps proposing for a paused request, and the target's own next token tells
+whether the proposal's first token would have been accepted (`DraftLength.shadow`): evidence without a
+verification, which ends the pause as soon as drafting pays — and replaces the probes of such a *watched* request
+(a probe's verification costs a whole batch its group price: at stop 50, probes and verifications padded to the
+batch kept compiled adaptive n-gram rows at batch 8 at 0.71–0.93× of plain decoding).
 Tokens never depend on this choice (verification is lossless): only how many are drafted does.
 
 A step's verification group also has a price of its own, ``G`` plain steps whatever its rows (a second group in the
@@ -29,7 +31,9 @@ The stated ``c`` is a guess; what verification really costs depends on the machi
 and the batch. `StepCost` measures ``G``, ``f`` and ``c``: the first decode step (no prefill in it) and every
 ``every``-th after it draft nothing, timing a plain step at that batch size; a step at batch ``B`` with ``k``
 verified rows and ``n`` drafted positions that took ``r`` plain steps' time is one observation
-``(r − 1)·B = G·B + f·k + c·n``, and ``(G, f, c)`` is their non-negative least-squares fit, older steps weighted
+``(r − 1)·B = G·B + f·k + c·n`` — ``r`` counting what the plain step after it spends beyond a plain step's time
+(the verified rows rejoin the decode batch, whose stacked state is rebuilt), which is then no plain step's sample —
+and ``(G, f, c)`` is their non-negative least-squares fit, older steps weighted
 down by ``decay`` per step (padded verification counts ``gamma`` positions per verified row, whatever was drafted: a
 one-draft probe must not look four times dearer). What the observations cannot tell apart goes to ``c`` first:
 while every run had one width (at batch 1, ``B = k``), ``c = Σ(r − 1)·B·n / Σn²`` prices runs of that width right
@@ -94,11 +98,13 @@ class DraftLength:
         best = max(range(self.gamma + 1), key=gain.__getitem__)
         return best if gain[best] > 1 else 0
 
-    def length(self, request_id: str) -> int:
-        """How many tokens the request drafts this step (0: it decodes plainly)."""
+    def length(self, request_id: str, watched: bool = False) -> int:
+        """How many tokens the request drafts this step (0: it decodes plainly). A ``watched`` request's free
+        proposals are checked against the target's own tokens while it is paused (`shadow`): its pause ends by that
+        evidence, never by a probe, so it pays for no verification that the evidence does not call for."""
         r = self._records.setdefault(request_id, _Record(*self.prior))
         if r.probe_at is not None:
-            if self.now < r.probe_at:
+            if self.now < r.probe_at or watched:
                 return 0
             r.probe_at, r.probed = None, self.now
             return self.gamma  # the pause ends: probe
@@ -141,10 +147,11 @@ class DraftLength:
             r.pause = 0
 
     def shadow(self, request_id: str, accepted: bool) -> None:
-        """A paused request's drafter proposed a first token for free (`Drafter.free`) and the target's own greedy
-        token then confirmed it or not: one examined position for α, paid for by nothing. When drafting pays by it,
-        the pause ends at once, so a request whose text starts repeating its context drafts from the next step, not
-        from the next probe."""
+        """A paused request's drafter proposed a first token for free (`Drafter.free`) and the target's own token
+        then confirmed it or not: one examined position for α, paid for by nothing (for a deterministic draft, as the
+        n-gram's, the target samples the proposed token with exactly the probability that verification would accept
+        it, so sampled requests give this evidence too). When drafting pays by it, the pause ends at once, so a
+        request whose text starts repeating its context drafts from the next step, not from the next probe."""
         r = self._records.setdefault(request_id, _Record(*self.prior))
         r.accepted = r.accepted * self.decay + accepted
         r.examined = r.examined * self.decay + 1
@@ -197,6 +204,7 @@ class StepCost:
         self._plain: dict[int, float] = {}  # batch size -> decayed mean seconds of a plain decode step
         self._xx = [[0.0] * 3 for _ in range(3)]  # decayed Σ x xᵀ, Σ x y, Σ y² of the observations
         self._xy, self._yy = [0.0] * 3, 0.0  # y = G·B + f·k + c·n, x = (B, k, n)
+        self._held: tuple[int, int, int, float] | None = None  # the last verification, until the next step is timed
         self._steps = 0
 
     @property
@@ -210,18 +218,28 @@ class StepCost:
 
     def record(self, batch: int, rows: int, drafted: int, seconds: float) -> None:
         """A decode step of ``batch`` requests, ``rows`` of them verifying ``drafted`` positions in all, took
-        ``seconds``."""
+        ``seconds``. A verification's price includes what the step after it pays for it (its rows rejoin the decode
+        batch, whose stacked state is rebuilt): its observation is complete once that step is timed, and a plain
+        step right after a verification is not a plain step's price."""
         if batch < 1 or seconds <= 0:
             return
+        held, self._held = self._held, None
+        if held is not None:
+            after = self._plain.get(held[0]) if drafted == 0 and batch == held[0] else None
+            self._observe(*held[:3], held[3] + (0.0 if after is None else (seconds / after - 1) * batch))
+            if after is not None:
+                return
         if drafted == 0:
             old = self._plain.get(batch)
             self._plain[batch] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
             return
         plain = self._plain.get(batch)
-        if plain is None:
-            return
-        x, y = (batch, rows, drafted), (seconds / plain - 1) * batch
-        d = self.decay
+        if plain is not None:
+            self._held = (batch, rows, drafted, (seconds / plain - 1) * batch)
+
+    def _observe(self, batch: int, rows: int, drafted: int, y: float) -> None:
+        """One observation ``y = G·B + f·k + c·n`` into the decayed sums, and the new fit."""
+        x, d = (batch, rows, drafted), self.decay
         self._xx = [[d * self._xx[i][j] + x[i] * x[j] for j in range(3)] for i in range(3)]
         self._xy = [d * self._xy[i] + x[i] * y for i in range(3)]
         self._yy = d * self._yy + y * y

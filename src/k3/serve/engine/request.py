@@ -8,7 +8,7 @@ sampler its parameters and generator, the outputs its processor and stop-string 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -21,7 +21,8 @@ from k3.tokenization.bpe import Tokenizer
 from k3.tokenization.detok import IncrementalDetokenizer
 from k3.tokenization.image import VisualInput
 
-__all__ = ["ContextLengthExceeded", "Output", "Processor", "QueueFull", "Request", "TextProcessor", "new_request"]
+__all__ = ["ContextLengthExceeded", "Joined", "Output", "Processor", "QueueFull", "Request", "TextProcessor",
+           "new_request"]
 
 
 @dataclass
@@ -97,6 +98,37 @@ class QueueFull(RuntimeError):
                          f"places (the queue holds {limit}); retry after {retry_after} s")
 
 
+class Joined(Sequence[int]):
+    """Token lists read as their concatenation, its first ``length`` tokens, without copying them: a request's
+    context for a drafter costs O(1) to make and O(k) to read k tokens of, whatever the context's length."""
+
+    def __init__(self, parts: tuple[Sequence[int], ...], length: int | None = None) -> None:
+        total = sum(map(len, parts))
+        self.parts, self.length = parts, total if length is None else min(length, total)
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int | slice) -> int | list[int]:
+        if isinstance(index, slice):
+            start, stop, step = index.indices(self.length)
+            if step != 1:
+                return [self[i] for i in range(start, stop, step)]
+            out: list[int] = []
+            for part in self.parts:  # each part's overlap with [start, stop), offsets moving past it
+                out += part[max(start, 0):max(min(stop, len(part)), 0)]
+                start, stop = start - len(part), stop - len(part)
+            return out
+        if not -self.length <= index < self.length:
+            raise IndexError("Joined index out of range")
+        index %= self.length
+        for part in self.parts:
+            if index < len(part):
+                return part[index]
+            index -= len(part)
+        raise AssertionError("unreachable: the length is within the parts")
+
+
 @dataclass(eq=False)
 class Request:
     """One request while the engine holds it (compared by identity: an id may be reused once it has ended)."""
@@ -133,6 +165,12 @@ class Request:
         if self.image_key is None:
             return self.params.cache_salt
         return f"{self.params.cache_salt or ''}|images:{self.image_key}"
+
+    @property
+    def history(self) -> Joined:
+        """The tokens the state has read or will read before ``pending``: the prompt and the output but its last
+        token (``pending`` itself), as a view (`Joined`)."""
+        return Joined((self.prompt, self.output_ids), len(self.prompt) + len(self.output_ids) - 1)
 
     @property
     def prompt_done(self) -> bool:

@@ -3,8 +3,9 @@
 A `StepPlan` becomes groups of one `forward_groups` call: each prefill piece (with the logits of every position
 when its request wants prompt log-probabilities; the prompt's embeddings with its images encoded in, for an image
 prompt), all speculating requests' ``[pending, d_1 … d_γ]`` as one group (right-padded to the longest draft,
-states stacked; every position's logits and a `Replay`, split by row with `DecoderState.unstack`), and the other
-decoding requests as one group (states stacked with `DecoderState.stack`, MLA caches left-padded and masked).
+states stacked; every position's logits and a `Replay`, from which each row accepts its own prefix in one
+`DecoderState.accept_rows`), and the other decoding requests as one group (states stacked with
+`DecoderState.stack`, MLA caches left-padded and masked).
 A row's result does not depend on its batch neighbours (up to float reduction order), so greedy output is
 batch-invariant. With a `CompiledModel` the decode group and plain prefill pieces run on its graphs and the rest
 eagerly, together. A drafter that reads the target gets each group's features at the tokens it consumed.
@@ -36,11 +37,13 @@ __all__ = ["Forward", "Runner"]
 @dataclass
 class Forward:
     """A pass's results: per prefill piece ``(request, tokens, logits [T, V], state)``; per speculating request
-    ``(request, draft, logits [γ+1, V], state, features)``; the decoding requests with their logits ``[B, V]``
-    and next states."""
+    ``(request, draft, logits [γ+1, V], features)`` and their stacked state with its `Replay` (``verified``: row b
+    is the b-th request's; `DecoderState.accept_rows`); the decoding requests with their logits ``[B, V]`` and next
+    states."""
 
     pieces: list[tuple[Request, list[int], Tensor, DecoderState]] = field(default_factory=list)
-    verifying: list[tuple[Request, Draft, Tensor, DecoderState, Tensor | None]] = field(default_factory=list)
+    verifying: list[tuple[Request, Draft, Tensor, Tensor | None]] = field(default_factory=list)
+    verified: DecoderState | None = None
     decoding: list[Request] = field(default_factory=list)
     logits: Tensor | None = None
     states: list[DecoderState] = field(default_factory=list)
@@ -105,7 +108,8 @@ class Runner:
             self.speculator.observe(request, piece, f)
             forward.pieces.append((request, piece, logits, state))
         if verifying:
-            forward.verifying = _split_verification(verifying, runs, results[len(plan.pieces)],
+            logits, forward.verified = results[len(plan.pieces)]
+            forward.verifying = _split_verification(verifying, runs, logits,
                                                     features[len(plan.pieces):len(plan.pieces) + len(runs)])
         if decoding:
             forward.logits, stacked = results[-1]
@@ -193,15 +197,10 @@ def _verify_state(requests: list[Request]) -> DecoderState:
     return requests[0].state if len(requests) == 1 else DecoderState.stack([r.state for r in requests])
 
 
-def _split_verification(verifying: list[tuple[Request, Draft]], runs: list[list[int]], result: tuple,
-                        features: list[Tensor | None]) -> list[tuple[Request, Draft, Tensor, DecoderState,
-                                                                        Tensor | None]]:
-    """Per speculating request, from the one verification group's ``(logits [B·T, V], state)``: the logits and
-    features at its own ``γ + 1`` positions and its own row of the state, with that row's `Replay` (SPEC §8)."""
-    logits, state = result
+def _split_verification(verifying: list[tuple[Request, Draft]], runs: list[list[int]], logits: Tensor,
+                        features: list[Tensor | None]) -> list[tuple[Request, Draft, Tensor, Tensor | None]]:
+    """Per speculating request, from the one verification group's logits ``[B·T, V]``: the logits and features at
+    its own ``γ + 1`` positions (SPEC §8)."""
     width = logits.shape[0] // len(runs)
-    out = []
-    for b, ((request, draft), run, row, f) in enumerate(zip(verifying, runs, state.unstack(), features, strict=True)):
-        n = len(run)
-        out.append((request, draft, logits[b * width:b * width + n], row, None if f is None else f[:n]))
-    return out
+    return [(request, draft, logits[b * width:b * width + len(run)], None if f is None else f[:len(run)])
+            for b, ((request, draft), run, f) in enumerate(zip(verifying, runs, features, strict=True))]

@@ -11,8 +11,9 @@ while sampling one request, end that request alone (`Sampled.error`).
 `verify` is the lossless rule of speculative decoding (`k3.serve.engine.speculative`) applied to the target's
 *processed* distributions at ``[pending, d_1 … d_γ]`` (exactly as plain sampling would use them): the accepted
 drafts, then the corrected or bonus token, and the target state after ``pending`` and the accepted drafts
-(``state.accept(n + 1)``, a KDA replay from the recorded inputs). Greedy requests accept while the target's argmax
-agrees, so their tokens are exactly those of plain decoding.
+(``state.accept(n + 1)``, a KDA replay from the recorded inputs; in a pass, every speculating request's at once
+with `DecoderState.accept_rows`). Greedy requests without penalties or biases take the argmax of the raw logits,
+and accept while it agrees with the drafts, so their tokens are exactly those of plain decoding.
 """
 
 from __future__ import annotations
@@ -52,6 +53,14 @@ class Sampled:
     error: Exception | None = None
 
 
+def _finite_rows(logits: Tensor) -> list[bool]:
+    """Whether each row of ``logits`` ``[N, V]`` is free of NaN and infinities; a row whose sum is finite is, so the
+    element-wise test runs only when some sum is not."""
+    if bool(logits.sum(-1).isfinite().all()):
+        return [True] * logits.shape[0]
+    return torch.isfinite(logits).all(-1).tolist()
+
+
 class Sampler:
     """Samples for one tokenizer's vocabulary (``vocab_size`` ids; the model's may be larger)."""
 
@@ -60,7 +69,7 @@ class Sampler:
 
     def sample(self, forward: Forward) -> list[Sampled]:
         out = [self._piece(request, piece, logits, state) for request, piece, logits, state in forward.pieces]
-        out += [self._run(request, draft, logits, state, f) for request, draft, logits, state, f in forward.verifying]
+        out += self._verified(forward) if forward.verifying else []
         if forward.decoding:
             out += [Sampled(request, state, tokens=s.tokens, logprobs=s.logprobs, error=s.error) for request, state, s
                     in zip(forward.decoding, forward.states, self.rows(forward.decoding, forward.logits))]
@@ -69,7 +78,7 @@ class Sampler:
     def rows(self, requests: list[Request], logits: Tensor) -> list[Sampled]:
         """Each request's next token from its row of ``logits`` ``[B, V]``."""
         logits = self._allowed(logits)
-        finite = torch.isfinite(logits[:, : self.vocab_size]).all(-1).tolist()
+        finite = _finite_rows(logits[:, : self.vocab_size])
         logprobs = logits.log_softmax(-1)
         greedy = logits.argmax(-1).tolist()
         out = []
@@ -94,27 +103,36 @@ class Sampler:
     def verify(self, request: Request, logits: Tensor, state: DecoderState,
                draft: Draft) -> tuple[list[int], DecoderState, list[Tensor]]:
         """From the target's logits ``[γ+1, V]`` at ``[pending, d_1 … d_γ]``: the tokens to emit, the target state
-        after ``pending`` and the accepted drafts, and each emitted token's raw log-probabilities."""
+        after ``pending`` and the accepted drafts, and each emitted token's raw log-probabilities (`judge`, then
+        ``state.accept``)."""
+        tokens, logprobs = self.judge(request, logits, draft)
+        return tokens, state.accept(len(tokens)), logprobs
+
+    def judge(self, request: Request, logits: Tensor, draft: Draft) -> tuple[list[int], list[Tensor]]:
+        """`verify`'s rule: the tokens to emit (the accepted drafts, then the corrected or bonus token: the state
+        consumes ``pending`` and the accepted drafts, as many tokens) and each one's raw log-probabilities."""
         params, prompt, output = request.params, request.prompt, request.output_ids
         logits = self._allowed(logits)
         # a non-finite row j is reached only when d_1 … d_j are all accepted (plain sampling would then raise there
         # too): verify those drafts with a stand-in for row j, and fail only if the run reaches it
-        finite = torch.isfinite(logits[:, : self.vocab_size]).all(-1).tolist()
+        finite = _finite_rows(logits[:, : self.vocab_size])
         bad = finite.index(False) if False in finite else None
         drafted = draft.tokens if bad is None else draft.tokens[:bad]
         if bad is not None:
             logits = logits[:bad + 1].clone()
             logits[bad, : self.vocab_size] = 0.0
-        rows = [process(logits[i], params, prompt, output + drafted[:i]) for i in range(len(drafted) + 1)]
-        if params.temperature == 0:
-            n, token = verify_greedy([int(r.argmax()) for r in rows], drafted)
+        if params.temperature == 0 and not params.processed:  # `process` would change nothing: the raw argmax
+            n, token = verify_greedy(logits[:len(drafted) + 1].argmax(-1).tolist(), drafted)
         else:
-            n, token = verify(torch.stack([probabilities(r, params) for r in rows]), draft.q[:len(drafted)],
-                              drafted, request.generator)
+            rows = [process(logits[i], params, prompt, output + drafted[:i]) for i in range(len(drafted) + 1)]
+            if params.temperature == 0:
+                n, token = verify_greedy([int(r.argmax()) for r in rows], drafted)
+            else:
+                q = draft.distributions(logits.shape[-1], logits.device)[:len(drafted)]
+                n, token = verify(torch.stack([probabilities(r, params) for r in rows]), q, drafted, request.generator)
         if n == bad:
             raise FloatingPointError("the model produced non-finite logits for this request")
-        raw = logits.log_softmax(-1)
-        return draft.tokens[:n] + [token], state.accept(n + 1), [raw[i] for i in range(n + 1)]
+        return draft.tokens[:n] + [token], list(logits[:n + 1].log_softmax(-1).unbind())
 
     def _piece(self, request: Request, piece: list[int], logits: Tensor, state: DecoderState) -> Sampled:
         """A prefill piece: its prompt log-probabilities, and the first token when it completes the prompt."""
@@ -129,14 +147,27 @@ class Sampler:
         first = self.rows([request], logits[-1:])[0]
         return Sampled(request, state, len(piece), first.tokens, first.logprobs, scored, error=first.error)
 
-    def _run(self, request: Request, draft: Draft, logits: Tensor, state: DecoderState,
-             features: Tensor | None) -> Sampled:
+    def _verified(self, forward: Forward) -> list[Sampled]:
+        """Each speculating request's verified run (`judge`), then every row's state at once
+        (`DecoderState.accept_rows`); a request whose run fails to verify ends alone."""
+        judged: list[tuple[list[int], list[Tensor]] | Exception] = []
+        for request, draft, logits, _ in forward.verifying:
+            try:
+                judged.append(self.judge(request, logits, draft))
+            except Exception as err:
+                judged.append(err)
         try:
-            tokens, state, logprobs = self.verify(request, logits, state, draft)
-        except Exception as err:
-            return Sampled(request, error=err)
-        return Sampled(request, state, tokens=tokens, logprobs=logprobs,
-                       verified=(request.pending, len(draft.tokens), features))
+            states = forward.verified.accept_rows([1 if isinstance(j, Exception) else len(j[0]) for j in judged])
+        except Exception as err:  # the rows' shared replay failed: every row of it ends
+            states, judged = [None] * len(judged), [err] * len(judged)
+        out = []
+        for (request, draft, _, features), result, state in zip(forward.verifying, judged, states, strict=True):
+            if isinstance(result, Exception):
+                out.append(Sampled(request, error=result))
+            else:
+                out.append(Sampled(request, state, tokens=result[0], logprobs=result[1],
+                                   verified=(request.pending, len(draft.tokens), features)))
+        return out
 
     @staticmethod
     def _choose(request: Request, row: Tensor, greedy: int) -> int:
