@@ -7,16 +7,18 @@ Needs a trained target and, for the EAGLE-3 rows, a draft trained on it (nothing
     python benchmarks/speculative.py --target runs/mini --draft runs/mini-draft [--compile]
 
 Two workloads of 64-token prompts from the standard library's source: **text** continues the source; **edit** is a
-code-editing request — a function, a marker, and the function's first line again — whose answer repeats most of
-the prompt. For each drafter (``ngram``: prompt lookup, no model; ``eagle``: the draft), batch 1 and 8, greedy and
-temperature 0.8, γ drafted always (``--always-draft``) or adaptively (the default), the decode tokens/s of 64-token
-continuations through the engine without HTTP, beside plain decoding of the same prompts in the same pass (passes
-repeated, medians reported; the speed-up is the median of each pass's own ratio); the acceptance rate per draft
-position; tokens kept per verified run; the steps in which a speculating engine's request decoded plainly; the tokens
-kept per run by output length (16-token bins).
+code-editing request — a function, a marker, and the function's first line again — whose answer repeats most of the
+prompt. For each drafter (``ngram``: prompt lookup, no model; ``eagle``: the draft), batch 1 and 8 — 8 requests
+started together and timed until the last ends (a static batch), and 32 requests through 8 slots, each refilled from
+the queue as a request ends (as a server runs them) — greedy and temperature 0.8, γ drafted always
+(``--always-draft``) or adaptively (the default), the decode tokens/s of 64-token continuations through the engine
+without HTTP, beside plain decoding of the same prompts in the same pass (passes repeated, medians reported; the
+speed-up is the median of each pass's own ratio); the acceptance rate per draft position; tokens kept per verified
+run; the steps in which a speculating engine's request decoded plainly; the tokens kept per run by output length
+(16-token bins).
 Greedy outputs are checked identical to plain decoding. With ``--compile`` every engine shares one set of compiled
-graphs (decode batches 1 and 8, verification of γ + 1 tokens, with and without the EAGLE features), all built before
-anything is timed.
+graphs (decode batches 1, 2, 4 and 8 as `k3 serve --max-batch 8` has them, verification of γ + 1 tokens, with and
+without the EAGLE features), all built before anything is timed.
 Targets (issue 36): batch-1 greedy ≥ 1.5× (EAGLE), n-gram ≥ 2× on edits, batch 8 ≥ 1.0×, no row below 0.95×.
 """
 
@@ -65,7 +67,8 @@ def prompts(tokenizer, n: int, workload: str, length: int = 64) -> list[list[int
 
 
 def decode(engine: Engine, batch: list[list[int]], params: SamplingParams) -> tuple[float, list[list[int]]]:
-    """Seconds spent decoding (after every prompt was read) and the generated tokens."""
+    """Seconds from the first generated token until every request ended (the prefills of requests queued behind a
+    full batch included) and the generated tokens."""
     outputs: list[list[int]] = [[] for _ in batch]
     first: list[float | None] = [None]
 
@@ -126,7 +129,7 @@ def main() -> None:
     drafters = {"ngram": "ngram", **({"eagle": args.draft} if args.draft else {})}
     for draft in drafters.values():  # a wrong --draft fails here, not after minutes of compiling
         replace(plain_options, draft=draft).drafter(target)
-    compiled = CompiledModel(target, batches=(1, 8)) if args.compile else None
+    compiled = CompiledModel(target, batches=(1, 2, 4, 8)) if args.compile else None  # `k3 serve`'s buckets to 8
     if compiled is not None:
         for draft in drafters.values():  # decode, prefill and verification graphs, with and without features
             build(replace(plain_options, draft=draft, num_draft_tokens=args.gamma), target, tokenizer,
@@ -135,8 +138,8 @@ def main() -> None:
     built = 0 if compiled is None else compiled.compilations
     rows, positions, by_length = [], {}, {}
     for workload in ("text", "edit"):
-        for batch_size in (1, 8):
-            batch = prompts(tokenizer, batch_size, workload)
+        for batch_size, requests in ((1, 1), (8, 8), (8, 32)):  # 32: a queue through 8 slots, as a server runs
+            batch = prompts(tokenizer, requests, workload)
             for temperature in (0.0, 0.8):
                 params = SamplingParams(max_tokens=args.tokens, temperature=temperature, seed=0)
                 engines = {"plain": build(plain_options, target, tokenizer, compiled)}
@@ -161,20 +164,22 @@ def main() -> None:
                     ratio = statistics.median(tokens_per_second(p[key]) / tokens_per_second(p["plain"]) for p in passes)
                     stats = engine.speculation
                     rows.append({"workload": workload, "drafter": name, "gamma": "always" if always else "adaptive",
-                                 "batch": batch_size, "temperature": temperature, "plain_tok_s": plain_rate,
+                                 "batch": batch_size, "requests": requests, "temperature": temperature,
+                                 "plain_tok_s": plain_rate,
                                  "spec_tok_s": rate, "speed_up": ratio,
                                  "acceptance": stats["accepted"] / max(1, stats["drafted"]),
                                  "kept_per_run": (stats["accepted"] + stats["runs"]) / max(1, stats["runs"]),
                                  "plain_steps": stats["plain"], "runs": stats["runs"]})
                     print(rows[-1], flush=True)
-                    positions[f"{workload}/{name}/{rows[-1]['gamma']}/b{batch_size}/t{temperature}"] = [
+                    key = f"{workload}/{name}/{rows[-1]['gamma']}/b{batch_size}x{requests}/t{temperature}"
+                    positions[key] = [
                         round(stats[f"accepted_at_{i}"] / stats[f"drafted_at_{i}"], 3) if stats[f"drafted_at_{i}"]
                         else None for i in range(1, args.gamma + 1)]
-                    by_length[f"{workload}/{name}/{rows[-1]['gamma']}/b{batch_size}/t{temperature}"] = {
+                    by_length[key] = {
                         n: round(stats[f"kept_from_{n}"] / stats[f"runs_from_{n}"], 2)
                         for n in range(0, args.tokens, 16) if stats[f"runs_from_{n}"]}
     print(table(rows, [("workload", "workload"), ("drafter", "drafter"), ("gamma", "γ"), ("batch", "batch"),
-                       ("temperature", "temperature"), ("plain_tok_s", "plain tok/s"),
+                       ("requests", "requests"), ("temperature", "temperature"), ("plain_tok_s", "plain tok/s"),
                        ("spec_tok_s", "speculative tok/s"), ("speed_up", "speed-up"), ("acceptance", "acceptance"),
                        ("kept_per_run", "tokens kept per run"), ("runs", "runs"), ("plain_steps", "plain steps")]))
     print("\nacceptance by draft position (1 … γ):")
