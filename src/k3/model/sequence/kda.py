@@ -79,11 +79,15 @@ def advance(records: list[KDAReplay], states: list[KDAState], n: int, chunk_size
     else:
         for t in range(n):
             _, recurrent = kda.step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], recurrent)
-    out = []
-    for r, s, state in zip(records, states, recurrent.to(states[0].recurrent.dtype).split(rows), strict=True):
-        window = torch.cat([s.conv, r.conv_in[:, :n].to(s.conv.dtype)], dim=1)
-        out.append(KDAState(window[:, window.shape[1] - s.conv.shape[1]:], state))
-    return out
+    return [KDAState(_window(s.conv, r.conv_in[:, :n]), state)
+            for r, s, state in zip(records, states, recurrent.to(states[0].recurrent.dtype).split(rows), strict=True)]
+
+
+def _window(conv: Tensor, inputs: Tensor) -> Tensor:
+    """A ShortConv window ``conv`` ``[B, width − 1, C]`` after it read ``inputs`` ``[B, n, C]``: the last
+    ``width − 1`` inputs of the two."""
+    window = torch.cat([conv, inputs.to(conv.dtype)], dim=1)
+    return window[:, window.shape[1] - conv.shape[1]:]
 
 
 def advance_rows(records: list[KDAReplay], states: list[KDAState], counts: list[int]) -> list[list[KDAState]]:
@@ -116,8 +120,7 @@ def advance_rows(records: list[KDAReplay], states: list[KDAState], counts: list[
         final = final.to(states[0].recurrent.dtype)
         layers = []
         for layer, (r, s) in enumerate(zip(records, states, strict=True)):
-            window = torch.cat([s.conv[b:b + 1], r.conv_in[b:b + 1, :counts[b]].to(s.conv.dtype)], dim=1)
-            layers.append(KDAState(window[:, window.shape[1] - s.conv.shape[1]:], final[layer:layer + 1]))
+            layers.append(KDAState(_window(s.conv[b:b + 1], r.conv_in[b:b + 1, :counts[b]]), final[layer:layer + 1]))
         out.append(layers)
     return out
 

@@ -370,8 +370,9 @@ class Speculator:
         """The token the target sampled last step against the free proposal made for it (`DraftLength.shadow`)."""
         shadow = self._shadows.pop(r.id, None)
         if shadow is not None and len(r.output_ids) == shadow[0] + 1:
-            self.lengths.shadow(r.id, r.pending == shadow[1])
-            self.counts.update(shadowed=1, shadow_hits=int(r.pending == shadow[1]))
+            hit = r.pending == shadow[1]
+            self.lengths.shadow(r.id, hit)
+            self.counts.update(shadowed=1, shadow_hits=int(hit))
 
     def timed(self, seconds: float) -> None:
         """The step of the last `propose` (decoding only, no prefill in it) took ``seconds``: measure the price of
