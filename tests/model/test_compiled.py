@@ -109,6 +109,20 @@ def test_a_changed_thread_count_runs_a_graph_of_its_own():
     assert compiled.compilations == (4 if threads > 1 else 2)  # a 4-piece and a decode step per thread count
 
 
+def test_a_thread_at_dynamos_default_recompile_limit_still_builds_a_graph_per_shape_key():
+    """dynamo's recompile limit is per thread: a background thread compiled under the default (8) although the
+    constructor had raised it, and past 8 graphs of `CompiledStep._forward` in the process (every instance's count)
+    its step silently ran eagerly, was marked built and later picked another instance's graph (stop 51's CI). Here
+    the thread's limit is 1: each shape key still gets its own graph, and the tokens are eager's."""
+    model = serving.model()
+    compiled = CompiledModel(model, sizes=(4, 1), tuned=False)
+    prompt = torch.tensor([serving.prompts()[2][:5]])
+    with torch._dynamo.config.patch(recompile_limit=1, accumulated_recompile_limit=1):
+        eager, fast, worst = _generate_both(model, compiled, prompt, steps=3)
+    assert fast == eager and worst < LOGIT_TOLERANCE
+    assert compiled.compilations == 2  # the 4-piece on an empty cache, then decode steps on a cache
+
+
 @pytest.mark.slow
 def test_compiled_decode_of_a_qat_model_equals_eager():
     from k3.train.pretrain import QAT_MX

@@ -71,6 +71,7 @@ PREFILL_PIECES = (64, 16, 4, 1)
 # inductor's C++ code sums more than this many fp32 terms in chunks (`need_use_acc_helper` in its cpp codegen), so a
 # graph of a dynamic cache length holds a guard on which side of it the attention's length lies: two graph families
 CASCADE_SUM = 4096
+RECOMPILE_LIMIT = 256  # graphs of one code object (`CompiledStep._forward`, every instance's) dynamo keeps
 _RESETS = [0]  # `torch.compiler.reset` calls made here: every shape key seen before is cold again
 _REGISTRATIONS = [0]  # parameters and buffers (re)registered on any module since this module was imported
 _BACKGROUND = [0]  # background compilations running: warm graphs run with every guard checked meanwhile
@@ -134,8 +135,6 @@ class CompiledStep:
         # on CUDA a decode step replays a CUDA graph of its compiled function (`k3.model.cudagraph`)
         cuda = model.device.type == "cuda" and not replayed and files is None
         self.graphed, self._resets = (GraphedDecode() if cuda else None), _RESETS[0]
-        # one code object holds every instance's graphs: dynamo's default of 8 would fall back to eager
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
 
     @property
     def _function(self) -> Callable:
@@ -260,10 +259,16 @@ class CompiledStep:
 
 @contextlib.contextmanager
 def _compiling(options: dict) -> Iterator[None]:
-    """One compilation at a time in this process, under its inductor ``options`` (a global configuration)."""
+    """One compilation at a time in this process, under its inductor ``options``. One code object holds every
+    instance's graphs, so dynamo's recompile limit (8, per thread: a background thread starts at the default) is
+    raised here, on the compiling thread, and reaching it raises: the step is then not marked built, where dynamo's
+    silent eager fallback would be (and unchecked guards would later pick another instance's graph)."""
+    from torch._dynamo import config as dynamo
     from torch._inductor import config as inductor
 
-    with _COMPILE_LOCK, inductor.patch(options):
+    with (_COMPILE_LOCK, inductor.patch(options),
+          dynamo.patch(recompile_limit=RECOMPILE_LIMIT, accumulated_recompile_limit=16 * RECOMPILE_LIMIT,
+                       fail_on_recompile_limit_hit=True)):
         yield
 
 
