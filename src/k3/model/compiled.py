@@ -262,7 +262,9 @@ def _compiling(options: dict) -> Iterator[None]:
     """One compilation at a time in this process, under its inductor ``options``. One code object holds every
     instance's graphs, so dynamo's recompile limit (8, per thread: a background thread starts at the default) is
     raised here, on the compiling thread, and reaching it raises: the step is then not marked built, where dynamo's
-    silent eager fallback would be (and unchecked guards would later pick another instance's graph)."""
+    silent eager fallback would be (and unchecked guards would later pick another instance's graph). The accumulated
+    limit, which counts the code object's compilations in the process (dead instances' included), is raised with
+    it: a long-lived server must not stop compiling by age."""
     from torch._dynamo import config as dynamo
     from torch._inductor import config as inductor
 
