@@ -86,17 +86,14 @@ def test_bf16_inputs_within_relative_rms(T):
 @pytest.mark.parametrize("with_state", [True, False])
 @pytest.mark.parametrize("dtype, tol", [(torch.float64, F64), (torch.float32, F32)])
 def test_steps_equal_the_recurrence(with_state, dtype, tol):
-    """The fused decode step, applied token by token, equals Eq. 1 as written (`recurrent`)."""
+    """The fused decode step, applied token by token (`steps`), equals Eq. 1 as written (`recurrent`)."""
     q, k, v, g, b = make(T=20, seed=3)
     S0 = state(seed=4) if with_state else None
     o_ref, s_ref = kda.recurrent(q, k, v, g, b, initial_state=S0)
     S = None if S0 is None else S0.to(dtype)
     before = None if S is None else S.clone()
-    outputs = []
-    for t in range(20):
-        o, S = kda.step(*(x[:, t].to(dtype) for x in (q, k, v, g, b)), S)
-        outputs.append(o)
-    torch.testing.assert_close(torch.stack(outputs, 1).double(), o_ref, **tol)
+    o, S = kda.steps(*(x.to(dtype) for x in (q, k, v, g, b)), S)
+    torch.testing.assert_close(o.double(), o_ref, **tol)
     torch.testing.assert_close(S.double(), s_ref, **tol)
     if S0 is not None:
         assert torch.equal(S0.to(dtype), before)  # the caller's state is not written

@@ -140,6 +140,19 @@ def step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor
     return (o.reshape(B, H, V) * scale).to(v.dtype), S.view(B, H, K, V)
 
 
+def steps(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor | None,
+          scale: float | None = None) -> tuple[Tensor, Tensor]:
+    """A short run from a state as `step` after `step` (SPEC Eq. 1): q, k, g ``[B,T,H,K]``; v ``[B,T,H,V]``;
+    beta ``[B,T,H]``. For compiled verification of a few drafted tokens: T fused steps lower to generated
+    kernels, where the chunked form's triangular solve is an opaque library call. Returns ``(o [B,T,H,V],
+    final state)``."""
+    outputs = []
+    for t in range(q.shape[1]):
+        o, state = step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state, scale)
+        outputs.append(o)
+    return torch.stack(outputs, dim=1), state
+
+
 def recurrent(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float | None = None,
               initial_state: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Token-by-token oracle, Eq. 1 as written: for t = 0..T-1, ``S ← Diag(α_t) S``, ``S ← S + β_t k_t

@@ -289,6 +289,19 @@ def test_a_watched_request_never_probes_and_drafts_again_on_its_shadow_evidence(
     assert lengths.length("r", watched=True) > 0
 
 
+def test_a_watched_request_starts_paused_and_drafts_on_a_shadow_hit_never_on_a_miss():
+    """The prior is no evidence: a new watched request decodes plainly until its free proposals hit. A miss leaves
+    it paused even while its estimate (the prior decayed by the miss) would still pay; the next hit ends the pause."""
+    lengths = DraftLength(gamma=4, cost=0.1, prior=0.9, pause=4)
+    assert lengths.length("unwatched") == 4  # the prior pays: an unwatched request drafts from its first step
+    assert steps(lengths, "r", 40, watched=True) == [0] * 40
+    lengths.shadow("r", False)
+    assert lengths.best(lengths.acceptance("r")) > 0  # the estimate still pays after the miss ...
+    assert steps(lengths, "r", 1, watched=True) == [0]  # ... but a miss does not end the pause
+    lengths.shadow("r", True)
+    assert lengths.length("r", watched=True) == 4
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_a_paused_request_drafts_again_when_its_text_starts_repeating(tok, monkeypatch, temperature):
     """An n-gram drafter (free proposals) on a request that starts paused (no acceptance credited): its proposals

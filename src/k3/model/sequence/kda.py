@@ -256,6 +256,8 @@ class KDALayer(nn.Module):
             o, final = (kda_fla.step if kda_fla.enabled(q, v) else kda.step)(q[:, 0], k[:, 0], v[:, 0], g[:, 0],
                                                                              beta[:, 0], initial)
             o = o.unsqueeze(1)
+        elif record is not None and initial is not None and T <= kda.TILE and torch.compiler.is_compiling():
+            o, final = kda.steps(q, k, v, g, beta, initial)  # traced verification: generated kernels, no solve
         elif kda_fla.enabled(q, v):  # fla's Triton kernels on CUDA (optional; `k3.ops.kda_fla`)
             o, final = kda_fla.chunked(q, k, v, g, beta, initial)
         else:

@@ -101,8 +101,13 @@ class DraftLength:
     def length(self, request_id: str, watched: bool = False) -> int:
         """How many tokens the request drafts this step (0: it decodes plainly). A ``watched`` request's free
         proposals are checked against the target's own tokens while it is paused (`shadow`): its pause ends by that
-        evidence, never by a probe, so it pays for no verification that the evidence does not call for."""
-        r = self._records.setdefault(request_id, _Record(*self.prior))
+        evidence, never by a probe, so it pays for no verification that the evidence does not call for. A new watched
+        request starts paused: the prior is no evidence, and its first shadowed hit is."""
+        r = self._records.get(request_id)
+        if r is None:
+            r = self._records[request_id] = _Record(*self.prior)
+            if watched:
+                self._pause(r, self.min_pause)
         if r.probe_at is not None:
             if self.now < r.probe_at or watched:
                 return 0
@@ -151,11 +156,12 @@ class DraftLength:
         then confirmed it or not: one examined position for α, paid for by nothing (for a deterministic draft, as the
         n-gram's, the target samples the proposed token with exactly the probability that verification would accept
         it, so sampled requests give this evidence too). When drafting pays by it, the pause ends at once, so a
-        request whose text starts repeating its context drafts from the next step, not from the next probe."""
+        request whose text starts repeating its context drafts from the next step, not from the next probe. Only a hit
+        ends a pause: a miss after a decayed run of hits must not start a verification it argues against."""
         r = self._records.setdefault(request_id, _Record(*self.prior))
         r.accepted = r.accepted * self.decay + accepted
         r.examined = r.examined * self.decay + 1
-        if r.probe_at is not None and self.best(self.acceptance(request_id)) > 0:
+        if accepted and r.probe_at is not None and self.best(self.acceptance(request_id)) > 0:
             r.probe_at = None
 
     def _pause(self, r: _Record, length: int) -> None:
