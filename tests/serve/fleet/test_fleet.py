@@ -17,6 +17,7 @@ import openai
 import pytest
 
 import serving
+from gloo import free_port
 from k3.model.checkpoint import save_model
 from k3.serve.asgi.guard import Limits
 from k3.serve.fleet.launch import replica_flags
@@ -82,29 +83,13 @@ def test_a_replica_lets_its_one_client_the_router_hold_every_connection():
 
 
 # ---------------------------------------------------------------------- processes
-def free_port(count: int = 1) -> int:
-    """A port P with P … P+count-1 free on loopback."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + count > 65535:
-            continue
-        try:
-            for port in range(base + 1, base + count):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-
-
 def launch(*args: str, output=subprocess.DEVNULL) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "k3.cli", *args], stdout=output, stderr=subprocess.STDOUT,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
-def wait_until(ready, process: subprocess.Popen | None = None, timeout: float = 60) -> None:
+def wait_until(ready, process: subprocess.Popen | None = None, timeout: float = 60, log: Path | None = None) -> None:
+    """Poll ``ready`` until it holds; fail (with ``log``'s tail) at ``timeout`` or when ``process`` exits."""
     deadline = time.monotonic() + timeout
     while True:
         try:
@@ -112,7 +97,10 @@ def wait_until(ready, process: subprocess.Popen | None = None, timeout: float = 
                 return
         except httpx.TransportError:
             pass
-        assert time.monotonic() < deadline and (process is None or process.poll() is None)
+        exited = process is not None and process.poll() is not None
+        if exited or time.monotonic() >= deadline:
+            tail = log.read_text()[-4000:] if log else ""
+            raise AssertionError(f"{'exited with ' + str(process.returncode) if exited else 'timed out'}\n{tail}")
         time.sleep(0.05)
 
 
@@ -308,14 +296,14 @@ def test_k3_serve_replicas_runs_a_fleet_restarts_a_dead_replica_and_stops_it(ckp
         fleet = launch("serve", "--ckpt", str(ckpt), "--port", str(port), "--replicas", "2", "--api-key", KEY,
                        "--max-model-len", "256", output=output)
     try:
-        wait_until(lambda: all(in_ring(url).values()), fleet)
+        wait_until(lambda: all(in_ring(url).values()), fleet, log=log)
         assert sorted(in_ring(url)) == [0, 1]
         assert chat(client(url), [{"role": "user", "content": "hi"}])[0] in in_ring(url)
         dead = replica_process(fleet.pid, port + 1)
         os.kill(dead, signal.SIGKILL)  # replica 0 dies: the launcher starts it again on its port
-        wait_until(lambda: replica_process(fleet.pid, port + 1) not in (None, dead), fleet, timeout=30)
-        wait_until(lambda: answers(f"http://127.0.0.1:{port + 1}"), fleet)
-        wait_until(lambda: all(in_ring(url).values()), fleet)  # and the router takes it back
+        wait_until(lambda: replica_process(fleet.pid, port + 1) not in (None, dead), fleet, timeout=30, log=log)
+        wait_until(lambda: answers(f"http://127.0.0.1:{port + 1}"), fleet, log=log)
+        wait_until(lambda: all(in_ring(url).values()), fleet, log=log)  # and the router takes it back
         assert f"replica 0 (port {port + 1}) exited with code -9; restarting it in" in log.read_text()
         fleet.send_signal(signal.SIGTERM)
         assert fleet.wait(timeout=60) == 0
