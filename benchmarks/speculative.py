@@ -6,6 +6,12 @@ Needs a trained target and, for the EAGLE-3 rows, a draft trained on it (nothing
     .venv/bin/k3 train-draft --ckpt runs/mini --out runs/mini-draft --steps 300 --max-minutes 5
     python benchmarks/speculative.py --target runs/mini --draft runs/mini-draft [--compile]
 
+The issue's stated target is `small` (results then go to ``speculative*_small.json``):
+
+    .venv/bin/k3 train --preset small --out runs/small --steps 450 --tokens-per-step 4096 --curriculum 0:256
+    .venv/bin/k3 train-draft --ckpt runs/small --out runs/small-draft --steps 1900 --max-minutes 34
+    python benchmarks/speculative.py --target runs/small --draft runs/small-draft [--compile]
+
 Two workloads of 64-token prompts from the standard library's source: **text** continues the source; **edit** is a
 code-editing request — a function, a marker, and the function's first line again — whose answer repeats most of the
 prompt. For each drafter (``ngram``: prompt lookup, no model; ``eagle``: the draft), batch 1 and 8 — 8 requests
@@ -196,7 +202,8 @@ def main() -> None:
     payload = {"machine": machine(), "compiled": args.compile, "rows": rows, "acceptance_by_position": positions,
                "kept_per_run_by_output_length": by_length, "replay_bytes": replay, "snapshot_bytes": snapshots,
                "graphs_compiled_while_timed": None if compiled is None else compiled.compilations - built}
-    name = "speculative" + ("_compiled" if args.compile else "") + ("" if args.gamma == 4 else f"_gamma{args.gamma}")
+    name = "speculative" + ("_compiled" if args.compile else "") + ("" if args.gamma == 4 else f"_gamma{args.gamma}") \
+        + ("" if Path(args.target).name == "mini" else f"_{Path(args.target).name}")  # e.g. runs/small: _small
     print(f"results: {write_results(name, payload)}")
 
 
