@@ -21,6 +21,8 @@ def free_port(count: int = 1) -> int:
     draw = random.SystemRandom()  # not `random`: a test that seeds it would give every worker the same ports
     while True:
         base = draw.randrange(10000, low - count) if low - count > 10000 else _any_port()
+        if base + count > 65536:  # the fallback's port may sit too near the top for count ports
+            continue
         try:
             for port in range(base, base + count):
                 with socket.socket() as s:
