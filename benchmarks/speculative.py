@@ -115,9 +115,12 @@ def tokens_per_second(timed: tuple[float, list[list[int]]]) -> float:
     return sum(map(len, outputs)) / seconds
 
 
-def timed_pass(engines: dict[str, Engine], batch: list[list[int]], params: SamplingParams) -> dict:
-    """Each engine decodes ``batch`` in turn: its seconds and tokens."""
-    return {name: decode(engine, batch, params) for name, engine in engines.items()}
+def timed_pass(engines: dict, batch: list[list[int]], params: SamplingParams, turn: int = 0) -> dict:
+    """Each engine decodes ``batch`` in turn, the order rotated by ``turn`` so that no engine always runs in the
+    same place of a pass: its seconds and tokens."""
+    names = list(engines)
+    names = names[turn % len(names):] + names[:turn % len(names)]
+    return {name: decode(engines[name], batch, params) for name in names}
 
 
 def main() -> None:
@@ -155,7 +158,7 @@ def main() -> None:
                                                                 always_draft=always), target, tokenizer, compiled)
                 assert isinstance(engines[("eagle", True)].drafter, EagleDrafter) if args.draft else True
                 timed_pass(engines, batch, params)  # warm-up
-                passes = [timed_pass(engines, batch, params) for _ in range(args.passes)]
+                passes = [timed_pass(engines, batch, params, turn) for turn in range(args.passes)]
                 plain_tokens = passes[0]["plain"][1]
                 plain_rate = statistics.median(tokens_per_second(p["plain"]) for p in passes)
                 for key, engine in engines.items():

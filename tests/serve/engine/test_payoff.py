@@ -78,6 +78,23 @@ def test_recovering_acceptance_drafts_again():
     assert lengths.length("r") >= 3
 
 
+def test_a_new_request_starts_from_the_acceptance_of_the_requests_before_it():
+    """The population's α (every run, decayed 0.95 per run) is a new request's prior: after runs that all lost, a new
+    request starts paused and probes; after runs that all won, it drafts the full γ at once."""
+    lengths = DraftLength(gamma=4, cost=0.1, pause=4)
+    assert lengths.acceptance("new") == pytest.approx(0.6)  # the stated prior before any run
+    for _ in range(20):
+        lengths.update("lost", 4, 0)  # one examined position each, none accepted
+    lengths.end("lost")
+    # accepted 2.4·0.95²⁰ = 0.8604; examined 4·0.95²⁰ + (1 − 0.95²⁰)/0.05 = 1.4340 + 12.8302
+    assert lengths.acceptance("new") == pytest.approx(0.8604 / 14.2642, abs=1e-4)
+    assert steps(lengths, "new", 4) == [0, 0, 0, 4]  # paused from its first step; its probe at step 4
+    for _ in range(40):
+        lengths.update("won", 4, 4)
+    assert lengths.acceptance("fresh") > 0.97
+    assert lengths.length("fresh") == 4
+
+
 @given(st.floats(0, 1))
 def test_best_never_loses_to_plain_decoding(alpha):
     lengths = DraftLength(gamma=5, cost=0.3)
@@ -319,7 +336,7 @@ def test_a_paused_request_drafts_again_when_its_text_starts_repeating(tok, monke
     prompt = serving.prompts()[3] + serving.CYCLE * 2
     params = SamplingParams(max_tokens=40, temperature=temperature, seed=0)
     engine = Engine(model, tok, drafter=NGramDrafter(), num_draft_tokens=4)
-    engine.speculator.lengths.prior = (0.0, 2.0)  # α starts at 0: the request pauses at its first step
+    engine.speculator.lengths.population = [0.0, 2.0]  # α starts at 0: the request pauses at its first step
     tokens = [t for o in engine.generate(prompt, params) for t in o.token_ids]
     assert tokens == [t for o in Engine(model, tok).generate(prompt, params) for t in o.token_ids]
     stats = engine.speculation

@@ -1,25 +1,25 @@
 """How many tokens a request drafts (SPEC §8, issue 36): speculation only where it pays.
 
-A verified run of γ drafts keeps ``1 + a`` tokens (``a`` accepted plus the corrected or bonus token) for one target
-pass over γ + 1 positions and γ draft steps. With per-position acceptance α (drafts are accepted in order until the
-first rejection), the tokens a run is expected to keep are ``E(γ) = (1 − α^{γ+1}) / (1 − α)``, and its cost in plain
-decode steps is ``C(γ) = 1 + f + c·γ`` for γ > 0: ``f`` what verifying a row costs whatever its width (the accept,
-the verification's bookkeeping; 0 until measured), ``c`` the price of a drafted position, at first the drafter's
-stated one (`NGramDrafter.cost`, `EagleDrafter.cost`, ...). `DraftLength` estimates α per request from its own
-runs — the geometric estimate Σ accepted / Σ examined, each run's counts decayed by ``decay`` so it follows a request
-whose text changes — and picks the γ ≤ ``gamma`` maximising E/C. Where verification runs on compiled graphs every
-run is ``gamma + 1`` wide (``padded``): any γ > 0 then costs 1 + f + c·``gamma``, so a request drafts ``gamma`` or
-nothing. When no γ > 0 beats plain decoding (E/C ≤ 1) the request decodes plainly until the next multiple of
-``pause`` engine steps, then probes with ``gamma`` drafts (a run as long as drafting would make: its price is what
-the probe must show); the pause doubles while probes keep losing (up to ``max_pause``). Ending pauses at multiples
-of their length lines the probes of a batch up in the same steps. A probe that drafted nothing (an n-gram drafter
-found no match) pauses again for as long, so a request is never left without probes. A drafter whose proposals
-cost nothing (the n-gram's lookup) keeps proposing for a paused request, and the target's own next token tells
-whether the proposal's first token would have been accepted (`DraftLength.shadow`): evidence without a
-verification, which ends the pause as soon as drafting pays — and replaces the probes of such a *watched* request
-(a probe's verification costs a whole batch its group price: at stop 50, probes and verifications padded to the
-batch kept compiled adaptive n-gram rows at batch 8 at 0.71–0.93× of plain decoding).
-Tokens never depend on this choice (verification is lossless): only how many are drafted does.
+A verified run of γ drafts keeps ``1 + a`` tokens (``a`` accepted plus the corrected or bonus token) for one target pass
+over γ + 1 positions and γ draft steps. With per-position acceptance α (drafts are accepted in order until the first
+rejection), the tokens a run is expected to keep are ``E(γ) = (1 − α^{γ+1}) / (1 − α)``, and its cost in plain decode
+steps is ``C(γ) = 1 + f + c·γ`` for γ > 0: ``f`` what verifying a row costs whatever its width (the accept, the
+verification's bookkeeping; 0 until measured), ``c`` the price of a drafted position, at first the drafter's stated one
+(`NGramDrafter.cost`, `EagleDrafter.cost`, ...). `DraftLength` estimates α per request from its own runs — the geometric
+estimate Σ accepted / Σ examined, each run's counts decayed by ``decay`` so it follows a request whose text changes,
+starting from the α of the requests before it — and picks the γ ≤ ``gamma`` maximising E/C. Where verification runs on
+compiled graphs every run is ``gamma + 1`` wide (``padded``): any γ > 0 then costs 1 + f + c·``gamma``, so a request
+drafts ``gamma`` or nothing. When no γ > 0 beats plain decoding (E/C ≤ 1) the request decodes plainly until the next
+multiple of ``pause`` engine steps, then probes with ``gamma`` drafts (a run as long as drafting would make: its price
+is what the probe must show); the pause doubles while probes keep losing (up to ``max_pause``). Ending pauses at
+multiples of their length lines the probes of a batch up in the same steps. A probe that drafted nothing (an n-gram
+drafter found no match) pauses again for as long, so a request is never left without probes. A drafter whose proposals
+cost nothing (the n-gram's lookup) keeps proposing for a paused request, and the target's own next token tells whether
+the proposal's first token would have been accepted (`DraftLength.shadow`): evidence without a verification, which ends
+the pause as soon as drafting pays — and replaces the probes of such a *watched* request (a probe's verification costs a
+whole batch its group price: at stop 50, probes and verifications padded to the batch kept compiled adaptive n-gram rows
+at batch 8 at 0.71–0.93× of plain decoding). Tokens never depend on this choice (verification is lossless): only how
+many are drafted does.
 
 A step's verification group also has a price of its own, ``G`` plain steps whatever its rows (a second group in the
 model call beside the decode rows; measured at batch 8 on `mini`: the first verifying row added 5.6 ms to a 7.8-ms
@@ -57,7 +57,7 @@ def expected_tokens(alpha: float, gamma: int) -> float:
 
 @dataclass
 class _Record:
-    accepted: float  # decayed Σ accepted drafts
+    accepted: float  # decayed Σ accepted drafts (the prior's share first)
     examined: float  # decayed Σ drafts examined (accepted, plus the rejected one)
     probe_at: int | None = None  # while paused: the step of the next probe
     pause: int = 0  # the length of the last pause
@@ -65,19 +65,27 @@ class _Record:
 
 
 class DraftLength:
-    """Per-request draft lengths (module docstring); ``prior`` is α before any run (worth ``prior_weight`` drafts).
-    `tick` counts engine steps: a pause ends at a multiple of its length, so requests paused alike probe in the
-    same step and share its one verification group (a lone probe in a batch costs that batch a whole group)."""
+    """Per-request draft lengths (module docstring). A new request's α starts from the *population's*: every
+    verified run of every request, each run's counts decayed by ``population_decay`` (``prior`` before any run), worth
+    ``prior_weight`` drafts, decayed with the request's own runs. Requests are short beside what a handful of runs can
+    tell (a 64-token answer holds ~20 runs): a request that started from a fixed guess spent its first runs relearning
+    what the requests before it had shown, and a few unlucky early runs paused it for the rest of its answer (stop 54:
+    adaptive EAGLE rows at 0.93× where drafting always ran at 1.08–1.28×). `tick` counts engine steps: a pause ends at
+    a multiple of its length, so requests paused alike probe in the same step and share its one verification group (a
+    lone probe in a batch costs that batch a whole group)."""
 
-    def __init__(self, gamma: int, cost: float, prior: float = 0.6, prior_weight: float = 2.0, decay: float = 0.8,
-                 pause: int = 16, max_pause: int = 256, padded: bool = False) -> None:
-        if gamma < 0 or cost < 0 or not 0 <= prior <= 1 or not 0 < decay <= 1 or not 1 <= pause <= max_pause:
+    def __init__(self, gamma: int, cost: float, prior: float = 0.6, prior_weight: float = 4.0, decay: float = 0.8,
+                 pause: int = 16, max_pause: int = 256, padded: bool = False, population_decay: float = 0.95) -> None:
+        if gamma < 0 or cost < 0 or not 0 <= prior <= 1 or not 0 < decay <= 1 or not 1 <= pause <= max_pause \
+                or prior_weight <= 0 or not 0 < population_decay <= 1:
             raise ValueError(f"draft length: invalid settings gamma={gamma}, cost={cost}, prior={prior}, "
-                             f"decay={decay}, pause={pause}, max_pause={max_pause}")
+                             f"prior_weight={prior_weight}, decay={decay}, pause={pause}, max_pause={max_pause}, "
+                             f"population_decay={population_decay}")
         self.gamma, self.cost, self.decay, self.min_pause, self.max_pause = gamma, cost, decay, pause, max_pause
         self.fixed = 0.0  # f: a verified row's price whatever its width (`StepCost`)
         self.padded = padded
-        self.prior = (prior * prior_weight, prior_weight)
+        self.prior_weight, self.population_decay = prior_weight, population_decay
+        self.population = [prior * prior_weight, prior_weight]  # decayed Σ accepted, Σ examined of every run
         self.now = 0
         self._records: dict[str, _Record] = {}
 
@@ -88,8 +96,14 @@ class DraftLength:
     def acceptance(self, request_id: str) -> float:
         """The request's estimated per-position acceptance α."""
         r = self._records.get(request_id)
-        accepted, examined = self.prior if r is None else (r.accepted, r.examined)
+        accepted, examined = self.population if r is None else (r.accepted, r.examined)
         return accepted / examined if examined > 0 else 0.0
+
+    @property
+    def prior(self) -> tuple[float, float]:
+        """A new request's (accepted, examined): the population's α, worth ``prior_weight`` drafts."""
+        accepted, examined = self.population
+        return accepted / examined * self.prior_weight, self.prior_weight
 
     def best(self, alpha: float) -> int:
         """The γ ≤ ``gamma`` with the most expected tokens per cost; 0 when none beats plain decoding. ``padded``:
@@ -144,8 +158,11 @@ class DraftLength:
     def update(self, request_id: str, drafted: int, accepted: int) -> None:
         """A verified run of ``drafted`` drafts kept ``accepted`` of them."""
         r = self._records.setdefault(request_id, _Record(*self.prior))
+        examined = accepted + (accepted < drafted)
         r.accepted = r.accepted * self.decay + accepted
-        r.examined = r.examined * self.decay + accepted + (accepted < drafted)
+        r.examined = r.examined * self.decay + examined
+        d = self.population_decay
+        self.population = [self.population[0] * d + accepted, self.population[1] * d + examined]
         if self.best(self.acceptance(request_id)) == 0:
             self._pause(r, min(self.max_pause, 2 * r.pause) if r.pause else self.min_pause)
         else:
