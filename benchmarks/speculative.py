@@ -118,8 +118,8 @@ def tokens_per_second(timed: tuple[float, list[list[int]]]) -> float:
 def timed_pass(engines: dict, batch: list[list[int]], params: SamplingParams, turn: int = 0) -> dict:
     """Each engine decodes ``batch`` in turn, the order rotated by ``turn`` so that no engine always runs in the
     same place of a pass: its seconds and tokens."""
-    names = list(engines)
-    names = names[turn % len(names):] + names[:turn % len(names)]
+    names, k = list(engines), turn % len(engines)
+    names = names[k:] + names[:k]
     return {name: decode(engines[name], batch, params) for name in names}
 
 

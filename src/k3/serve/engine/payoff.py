@@ -96,7 +96,7 @@ class DraftLength:
     def acceptance(self, request_id: str) -> float:
         """The request's estimated per-position acceptance α."""
         r = self._records.get(request_id)
-        accepted, examined = self.population if r is None else (r.accepted, r.examined)
+        accepted, examined = self.prior if r is None else (r.accepted, r.examined)
         return accepted / examined if examined > 0 else 0.0
 
     @property
