@@ -93,7 +93,8 @@ def candidate(spec: str, minutes: float, args: argparse.Namespace, work: Path) -
     row = {"candidate": name, "tokens_per_step": tokens_per_step,
            "parameters": sum(p.numel() for p in run.model.parameters()), "probe_s_per_step": probe,
            "steps": run.step_index, "planned_steps": steps, "tokens": run.step_index * tokens_per_step,
-           "seconds": seconds, "val_loss": run.last_val_loss,
+           "seconds": seconds, "val_loss": run.last_validation.loss,
+           "val_bpb": run.last_validation.bits_per_byte, **run.last_validation.anchors,
            "sample": PROMPT + run.tokenizer.decode([t for t in ids if t != run.tokenizer.eos_id])}
     shutil.rmtree(out, ignore_errors=True)
     return row

@@ -207,13 +207,13 @@ def quality_runs(work: Path, args: argparse.Namespace) -> tuple[list[dict], Path
             row = {"seed": seed, "method": "QAT" if qat else "FP", "seconds": time.time() - start,
                    "tokens": args.steps * 2048}
             if qat is None:
-                row["val_loss_fp"] = run.last_val_loss
+                row["val_loss_fp"] = run.last_validation.loss
                 pack_model(run.model, E4M3)  # PTQ: round-to-nearest MXFP4 weights, MXFP8 E4M3 inputs
-                row["val_loss_mx"] = run.evaluate()
+                row["val_loss_mx"] = run.evaluate().loss
             else:
-                row["val_loss_mx"] = run.last_val_loss  # its forward already computes with quantized experts
+                row["val_loss_mx"] = run.last_validation.loss  # its forward already computes with quantized experts
                 pack_model(run.model, "keep")
-                row["packed_minus_fake_quant"] = run.evaluate() - run.last_val_loss
+                row["packed_minus_fake_quant"] = run.evaluate().loss - run.last_validation.loss
             runs.append(row)
             print(json.dumps(row), flush=True)
     return runs, tokenizer

@@ -104,7 +104,7 @@ def main() -> None:
             start = time.time()
             run = train(config)
             tokenizer_file = tokenizer_file or out / "tokenizer" / "tokenizer.json"
-            row = {"variant": name, "seed": seed, "val_loss": run.last_val_loss, "seconds": time.time() - start,
+            row = {"variant": name, "seed": seed, "val_loss": run.last_validation.loss, "seconds": time.time() - start,
                    "tokens": args.steps * args.tokens_per_step,
                    "parameters": sum(p.numel() for p in run.model.parameters())}
             runs.append(row)

@@ -38,7 +38,7 @@ def test_resumed_run_continues_exactly(tmp_path, corpus):
     a, b = losses(tmp_path / "whole"), losses(tmp_path / "split")
     assert len(a) == len(b) == 6
     assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-6
-    assert whole.evaluate() == pytest.approx(resumed.evaluate(), abs=1e-6)
+    assert whole.evaluate().loss == pytest.approx(resumed.evaluate().loss, abs=1e-6)
     assert (tmp_path / "whole" / "curves.png").stat().st_size > 0
     rows = read_metrics(tmp_path / "whole" / "metrics.jsonl")
     assert all({"step", "loss", "lr", "seq_len"} <= r.keys() for r in rows)
@@ -151,12 +151,19 @@ def test_cli_train_eval_generate(tmp_path, corpus, capsys):
             "--tokens-per-step", "512", "--curriculum", "0:32", "--eval-every", "2", "--ckpt-every", "2",
             "--no-progress"]
     assert main(args) == 0
-    assert "validation loss" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    logged = read_metrics(out / "metrics.jsonl")[-1]  # bits per byte and its anchors beside the loss (issue 38)
+    assert "validation loss" in printed and f"{logged['val_bpb']:.3f} bits per byte" in printed
+    assert f"zlib -9 {logged['zlib_bpb']:.3f}, xz -9e {logged['xz_bpb']:.3f}" in printed
+    assert 0 < logged["xz_bpb"] < 8 and 0 < logged["zlib_bpb"] < 8 and logged["val_bytes"] > 0
     assert main(args) == 2  # a second run without --resume refuses to overwrite
     assert "pass --resume" in capsys.readouterr().err
     assert main(["eval", "--ckpt", str(out), "--batches", "1"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["step"] == 2 and result["val_loss"] > 0
+    assert result["val_bpb"] > 0 and {"zlib_bpb", "xz_bpb", "zlib_window_bpb", "xz_window_bpb"} <= result.keys()
+    assert main(["eval", "--ckpt", str(out), "--all"]) == 0  # the whole held-out text: more windows than one batch
+    assert json.loads(capsys.readouterr().out)["val_bytes"] > result["val_bytes"]
     assert main(["generate", "--ckpt", str(out), "--prompt", "def ", "--max-tokens", "5", "--seed", "0"]) == 0
     first = capsys.readouterr().out
     assert main(["generate", "--ckpt", str(out), "--prompt", "def ", "--max-tokens", "5", "--seed", "0"]) == 0
@@ -355,7 +362,7 @@ def test_validation_windows_do_not_depend_on_the_curriculum(tmp_path, corpus):
     for i, curriculum in enumerate(([[0.0, 32]], [[0.0, 64], [0.5, 128]])):
         run = Run(config(tmp_path / str(i), corpus, curriculum=curriculum, eval_seq_len=128))
         run.prepare(resume=False)
-        losses.append(run.evaluate())
+        losses.append(run.evaluate().loss)
     assert losses[0] == losses[1]
     with pytest.raises(ValueError, match="eval_seq_len"):
         Run(config(tmp_path / "long", corpus, eval_seq_len=10**6))

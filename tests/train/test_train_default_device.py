@@ -29,7 +29,7 @@ def _losses(run: Run, trapped: bool) -> list[float]:
         torch.set_default_device("meta")
         assert torch.empty(1).is_meta
     try:
-        return [run.step()["loss"] for _ in range(STEPS)] + [run.evaluate()]
+        return [run.step()["loss"] for _ in range(STEPS)] + [run.evaluate().loss]
     finally:
         torch.set_default_device(None)
 

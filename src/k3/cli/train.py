@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from pathlib import Path
 
 from k3.config import PACKED_ACTIVATIONS, PRESETS
@@ -53,9 +54,14 @@ def _train(args: argparse.Namespace) -> int:
                         dp_shard=args.dp_shard, ep=args.ep, cp=args.cp)
     if isinstance(run, int):  # the launcher (torchrun's status) or a rank other than 0
         return run
-    loss = run.last_val_loss if run.last_val_loss is not None else run.evaluate()
-    print(f"step {run.step_index}/{config.steps}: validation loss {loss:.4f} (perplexity {math.exp(loss):.2f})")
+    validation = run.last_validation or run.evaluate()
+    a = validation.anchors
+    print(f"step {run.step_index}/{config.steps}: validation loss {validation.loss:.4f} "
+          f"(perplexity {math.exp(validation.loss):.2f})")
     print(f"metrics: {run.metrics_path}  plot: {run.out / 'curves.png'}")
+    print(f"validation text: {validation.bits_per_byte:.3f} bits per byte over {validation.bytes:,} bytes; the same "
+          f"bytes as one file: zlib -9 {a['zlib_bpb']:.3f}, xz -9e {a['xz_bpb']:.3f}; window by window: zlib -9 "
+          f"{a['zlib_window_bpb']:.3f}, xz -9e {a['xz_window_bpb']:.3f}")
     return 0
 
 
@@ -101,8 +107,7 @@ def _eval(args: argparse.Namespace) -> int:
         config.data = args.data
     run = Run(config)
     run.prepare_evaluation(path)
-    loss = run.evaluate(args.batches)
-    print(json.dumps({"checkpoint": str(path), "step": run.step_index, "val_loss": loss, "val_ppl": math.exp(loss)}))
+    print(json.dumps({"checkpoint": str(path), "step": run.step_index, **run.evaluate(sys.maxsize if args.all else args.batches).record()}))
     return 0
 
 
@@ -215,10 +220,14 @@ def _add_train_draft(commands: argparse._SubParsersAction) -> None:
 
 
 def _add_eval(commands: argparse._SubParsersAction) -> None:
-    ev = commands.add_parser("eval", help="validation loss and perplexity of a checkpoint")
+    ev = commands.add_parser("eval", help="validation loss, perplexity and bits per byte of a checkpoint, with zlib "
+                                          "-9 and xz -9e on the same bytes")
     ev.add_argument("--ckpt", required=True, help="a run directory or a checkpoint directory")
     ev.add_argument("--data", nargs="*")
-    ev.add_argument("--batches", type=int)
+    which = ev.add_mutually_exclusive_group()
+    which.add_argument("--batches", type=positive(int), help="the first N validation batches (default: the run's "
+                                                              "eval_batches, as training evaluated)")
+    which.add_argument("--all", action="store_true", help="every validation window: the whole held-out text")
     ev.set_defaults(run=_eval)
 
 

@@ -29,6 +29,7 @@ from k3.train import checkpoint as ckpt
 from k3.train import multimodal, sharded
 from k3.model import checkpoint as model_ckpt
 from k3.train.balance import QuantileBalancer
+from k3.train.bpb import ByteTally, Validation
 from k3.train.driver import Loop, Stage, check_counts, drive
 from k3.train.data import (
     PackedLoader,
@@ -233,7 +234,7 @@ class Run(Stage):
         torch.manual_seed(config.seed)
         self.model = K3ForCausalLM(self.model_config)
         self.step_index = 0
-        self.last_val_loss: float | None = None
+        self.last_validation: Validation | None = None
         self.metrics = Metrics(self.out / "metrics.jsonl")
         self.device = torch.device("cpu")
         self.context = None  # context parallelism's mixers (`k3.dist.context.ContextParallel`) in a distributed run
@@ -438,13 +439,13 @@ class Run(Stage):
         return multimodal.batch_examples(examples, self.tokenizer, self.model_config.vision.media_token_id)
 
     @torch.no_grad()
-    def evaluate(self, batches: int | None = None) -> float:
-        """Validation loss: the mean over the supervised positions of the first ``batches`` batches of
-        ``eval_seq_len``-token windows of the held-out documents (the same positions at every evaluation,
-        so runs with different curricula compare)."""
+    def evaluate(self, batches: int | None = None) -> Validation:
+        """Validation loss and bits per byte (`k3.train.bpb`) over the supervised positions of the first
+        ``batches`` batches of ``eval_seq_len``-token windows of the held-out documents (the same positions at
+        every evaluation, so runs with different curricula compare)."""
         self.model.eval()
         length = self.config.eval_seq_len
-        total, count = 0.0, 0
+        tally = ByteTally(self.tokenizer.token_bytes(), self.device)
         for inputs, targets, mask in eval_batches(self.val_tokens, length,
                                                   max(1, self.config.tokens_per_step // length),
                                                   self.tokenizer.eos_id, self.tokenizer.pad_id,
@@ -452,16 +453,14 @@ class Run(Stage):
             inputs, targets, mask = inputs.to(self.device), targets.to(self.device), mask.to(self.device)
             with self._autocast():
                 logits, _ = self.model(inputs)
-            loss_sum, n = masked_loss_sum(logits.float(), targets, mask)
-            total, count = total + float(loss_sum), count + n
-        if count == 0:
-            raise ValueError("validation data has no supervised positions")
-        return total / count
+            tally.add(logits, targets, mask)
+        return tally.result()
 
     def evaluation(self) -> dict[str, Any]:
-        """Validation loss and perplexity; with ``multimodal``, the colour accuracy of the image examples."""
-        self.last_val_loss = self.evaluate()
-        record = {"val_loss": self.last_val_loss, "val_ppl": math.exp(min(self.last_val_loss, 50))}
+        """Validation loss, perplexity, bits per byte and its compression anchors; with ``multimodal``, the colour
+        accuracy of the image examples."""
+        self.last_validation = self.evaluate()
+        record = self.last_validation.record()
         if self.config.multimodal:
             record["colour_accuracy"] = multimodal.colour_accuracy(self.model, self.tokenizer)
         return record
@@ -477,6 +476,7 @@ class Run(Stage):
 #: ``curves.png``: loss (train and validation), learning rate and expert load over steps.
 PANELS: tuple[Panel, ...] = (
     ("loss", (("loss", "train"), ("val_loss", "validation"))),
+    ("bits per byte (validation text)", (("val_bpb", "model"), ("zlib_bpb", "zlib -9"), ("xz_bpb", "xz -9e"))),
     ("learning rate (Muon group)", (("lr", "learning rate"),)),
     ("expert load", (("load_max_mean", "max / mean (worst layer)"), ("load_idle", "idle experts (all layers)"))))
 
