@@ -107,7 +107,8 @@ def _eval(args: argparse.Namespace) -> int:
         config.data = args.data
     run = Run(config)
     run.prepare_evaluation(path)
-    print(json.dumps({"checkpoint": str(path), "step": run.step_index, **run.evaluate(sys.maxsize if args.all else args.batches).record()}))
+    validation = run.evaluate(sys.maxsize if args.all else args.batches)
+    print(json.dumps({"checkpoint": str(path), "step": run.step_index, **validation.record()}))
     return 0
 
 
