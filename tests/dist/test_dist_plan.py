@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from k3.cli import main
-from k3.config import preset
+from k3.config import K3Config, preset
 from k3.dist.layout import ParallelLayout
 from k3.dist.plan import activation_bytes, all_layouts, all_to_all_bytes, build_layout, communication_bytes, \
     cp_bytes_per_layer, fsdp_bytes, fsdp_units, muon_bytes, parameter_split, propose_layouts, shard_elements, \
@@ -24,9 +24,17 @@ FITS = ["plan", "--preset", "paper", "--gpus", "2048", "--gpu-memory-gb", "80", 
         "--cp", "8", "--seq", "65536"]
 
 
+def _config(name: str) -> K3Config:
+    """A preset; ``NAME:head`` with one KDA decay per head (the Gated DeltaNet-style ablation)."""
+    name, _, decay = name.partition(":")
+    config = preset(name)
+    config.kda = dataclasses.replace(config.kda, decay=decay or "channel")
+    return config
+
+
 def _meta(name: str) -> tuple[K3ForCausalLM, dict[str, list[torch.Tensor]]]:
     """The model on ``meta`` and its parameters by class, as `build_optimizers` groups them."""
-    config = preset(name)
+    config = _config(name)
     with torch.device("meta"):  # allocates nothing; `check_fits` skips the meta device
         model = K3ForCausalLM(config)
     experts = {id(p) for m in model.modules() if isinstance(m, Experts) for p in m.parameters()}
@@ -39,13 +47,13 @@ def _meta(name: str) -> tuple[K3ForCausalLM, dict[str, list[torch.Tensor]]]:
     return model, groups
 
 
-@pytest.mark.parametrize("name", ["tiny", "small", "paper"])
+@pytest.mark.parametrize("name", ["tiny", "small", "paper", "tiny:head"])
 def test_parameter_grad_and_optimizer_bytes_match_the_real_tensors(name):
     model, groups = _meta(name)
     numel = {kind: sum(p.numel() for p in ps) for kind, ps in groups.items()}
-    assert parameter_split(preset(name)) == numel
+    assert parameter_split(_config(name)) == numel
     assert sum(numel.values()) == sum(p.numel() for p in model.parameters())
-    one = state_bytes(preset(name), ParallelLayout())
+    one = state_bytes(_config(name), ParallelLayout())
     assert one["parameters"] == one["gradients"] == sum(4 * p.numel() for p in model.parameters())  # fp32 master, grad
     assert one["optimizer"] == sum(4 * p.numel() for p in groups["experts"] + groups["muon"]) \
         + sum(2 * 4 * p.numel() for p in groups["adamw"])  # Muon 1 fp32 moment, AdamW 2

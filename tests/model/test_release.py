@@ -124,7 +124,7 @@ def test_save_round_trip_is_byte_identical(release, tmp_path):
 
 @pytest.mark.parametrize("section, name, value", [
     ("kda", "decay_rank", 8), ("kda", "value_head_dim", 8), ("kda", "output_gate_rank", 4),
-    ("moe", "shared_hidden", 16), ("mla", "norm_eps", 1e-5), ("attn_res", "key_gain", False)])
+    ("moe", "shared_hidden", 16), ("mla", "norm_eps", 1e-5), ("attn_res", "key_gain", False), ("kda", "decay", "head")])
 def test_a_config_the_release_cannot_describe_is_refused_before_writing(tmp_path, section, name, value):
     """The release's config.json derives these fields (a KDA decay rank of head_dim, ...). Saving another value
     wrote a checkpoint that `from_pretrained` refused with a shape error; now the save is refused, naming the field,

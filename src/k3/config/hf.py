@@ -292,6 +292,8 @@ def _vision_dict(v: VisionConfig) -> dict[str, Any]:
 def _not_in_release(c: K3Config) -> list[str]:
     """The fields of ``c`` the release's config fixes to other values (`from_release_dict` derives them)."""
     k, fixed = c.kda, []
+    if k.decay != "channel":
+        fixed.append(f"kda.decay = {k.decay!r} (the release's decays per key channel)")
     fixed += [f"kda.{name} = {getattr(k, name)} (the release's is head_dim = {k.head_dim})"
               for name in ("decay_rank", "value_head_dim") if getattr(k, name) != k.head_dim]
     if k.output_gate_rank not in (0, k.head_dim):

@@ -28,6 +28,7 @@ class KDAConfig:
     conv_size: int = 4  # causal depthwise ShortConv width
     gate: str = "bounded"  # "bounded": g_min·sigmoid(...) (K3); "softplus": -exp(A)·softplus(...) (Kimi Linear)
     g_min: float = -5.0  # log-decay floor of the bounded gate
+    decay: str = "channel"  # "channel": a decay per key channel (KDA); "head": one per head (Gated DeltaNet-style)
     decay_rank: int = 128  # rank of the low-rank decay projection W_f1 W_f2 (assumed)
     a_log_size: int | None = 128  # stored length of A_log; the first num_heads entries are used (release: 128)
     output_gate_rank: int = 0  # 0: full-rank output gate W_g (K3); r > 0: low-rank g_a/g_b (Kimi Linear)
@@ -111,7 +112,7 @@ class VisionConfig:
     attention: str = "joint"  # "joint": all frames of a chunk together (release); "divided": spatial / temporal
     max_frames: int = 4  # frames per video chunk (release: init_pos_emb_time; the time embedding's rows)
     rope_theta: float = 10000.0  # 2-D rotary embedding inside attention (release: Rope2DPosEmbRepeated)
-    norm_eps: float = 1.1920928955078125e-07  # encoder RMSNorms: torch.nn.RMSNorm's default in fp32 (release)
+    norm_eps: float = 2**-7  # encoder RMSNorms: torch.nn.RMSNorm's default eps in the release's bf16 (mlx-vlm's)
     patch_budget: int = 65536  # 14-px patches per image at most; larger images are downscaled (release)
     media_token_id: int = 163605  # the placeholder a visual token fills (release: <|media_pad|>)
 
@@ -240,6 +241,7 @@ class K3Config:
         k = self.kda
         _positive(k, "num_heads", "head_dim", "value_head_dim", "conv_size", "decay_rank", "chunk_size", prefix="kda")
         _check(k.gate in ("bounded", "softplus"), "kda.gate", k.gate, "'bounded' or 'softplus'")
+        _check(k.decay in ("channel", "head"), "kda.decay", k.decay, "'channel' or 'head'")
         _check(_real(k.g_min) and k.g_min < 0, "kda.g_min", k.g_min, "< 0")
         _check(isinstance(k.output_gate_rank, int) and k.output_gate_rank >= 0, "kda.output_gate_rank",
                k.output_gate_rank, ">= 0 (0 = full rank)")

@@ -52,8 +52,8 @@ def parameter_split(config: K3Config) -> dict[str, int]:
     kinds, ffns = c.layer_kinds(), c.ffn_kinds()
     parts = parameter_breakdown(c)
     hk, hv = k.num_heads * k.head_dim, k.num_heads * k.value_head_dim
-    kda = k.conv_size * (2 * hk + hv) + (k.num_heads if k.a_log_size is None else k.a_log_size) + hk \
-        + k.value_head_dim  # ShortConv, A_log, dt_bias, o_norm
+    kda = k.conv_size * (2 * hk + hv) + (k.num_heads if k.a_log_size is None else k.a_log_size) \
+        + (hk if k.decay == "channel" else k.num_heads) + k.value_head_dim  # ShortConv, A_log, dt_bias, o_norm
     mla = (m.q_lora_rank or 0) + m.kv_lora_rank  # q_a and kv_a latent norms
     vision = 0
     if v.enabled:

@@ -18,7 +18,8 @@ def kda_layer_parameters(c: K3Config) -> int:
     proj = d * (2 * hk + hv)  # W_q, W_k, W_v
     conv = k.conv_size * (2 * hk + hv)  # depthwise ShortConv per branch
     a_log = k.num_heads if k.a_log_size is None else k.a_log_size
-    decay = d * k.decay_rank + k.decay_rank * hk + a_log + hk  # W_f1, W_f2, A_log, dt_bias
+    decays = hk if k.decay == "channel" else k.num_heads  # per key channel (KDA) or per head (GDN-style)
+    decay = d * k.decay_rank + k.decay_rank * decays + a_log + decays  # W_f1, W_f2, A_log, dt_bias
     beta = d * k.num_heads  # W_b
     gate = d * hv if k.output_gate_rank == 0 else d * k.output_gate_rank + k.output_gate_rank * hv
     norm = k.value_head_dim  # per-head RMSNorm gain, shared by heads

@@ -117,9 +117,35 @@ def test_state_is_not_modified_in_place():
 
 
 @pytest.mark.parametrize("name", ["tiny", "small"])
-def test_parameter_count_matches_the_config(name):
+@pytest.mark.parametrize("decay", ["channel", "head"])
+def test_parameter_count_matches_the_config(name, decay):
     c = preset(name)
+    c.kda = dataclasses.replace(c.kda, decay=decay)
     assert sum(p.numel() for p in KDALayer(c).parameters()) == kda_layer_parameters(c)
+
+
+@pytest.mark.parametrize("gate", ["bounded", "softplus"])
+def test_a_decay_per_head_is_a_channel_decay_equal_on_the_heads_channels(gate):
+    """``kda.decay = "head"`` (Gated DeltaNet's scalar gate, issue 38): the same layer as a per-channel one whose
+    decay projection rows and dt_bias repeat each head's value on its d_k channels."""
+    per_head = dataclasses.replace(config(gate), kda=dataclasses.replace(config(gate).kda, decay="head"))
+    head = layer_fp64(per_head)
+    channel = layer_fp64(config(gate), seed=1)
+    K = channel.head_dim
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if name in ("f_b_proj.weight", "dt_bias"):
+                p.normal_(0, 0.5)
+                channel.get_parameter(name).copy_(p.repeat_interleave(K, dim=0))
+            else:
+                channel.get_parameter(name).copy_(p)
+    assert head.f_b_proj.weight.shape[0] == head.num_heads
+    x = torch.randn(2, 21, 64, dtype=torch.float64)
+    torch.testing.assert_close(head(x, None)[0], channel(x, None)[0], rtol=1e-12, atol=1e-12)
+    g = head.decay(head.projections(x).decay)
+    assert torch.equal(g, g[..., :1].expand_as(g))  # one decay per head
+    with pytest.raises(ValueError, match="kda.decay"):
+        dataclasses.replace(config(), kda=dataclasses.replace(config().kda, decay="token")).validate()
 
 
 def test_paper_size_on_meta():

@@ -166,6 +166,7 @@ class KDALayer(nn.Module):
         c, d = config.kda, config.hidden_size
         self.num_heads, self.head_dim, self.value_dim = c.num_heads, c.head_dim, c.value_head_dim
         self.gate, self.g_min, self.chunk_size = c.gate, c.g_min, c.chunk_size
+        self.decay_width = c.head_dim if c.decay == "channel" else 1  # per key channel (KDA) or per head (GDN)
         self.eps = config.rms_norm_eps
         self.initializer_range = config.initializer_range
         hk, hv = c.num_heads * c.head_dim, c.num_heads * c.value_head_dim
@@ -174,10 +175,10 @@ class KDALayer(nn.Module):
         self.v_proj = nn.Linear(d, hv, bias=False)
         self.conv = ShortConv(2 * hk + hv, c.conv_size)
         self.f_a_proj = nn.Linear(d, c.decay_rank, bias=False)
-        self.f_b_proj = nn.Linear(c.decay_rank, hk, bias=False)
+        self.f_b_proj = nn.Linear(c.decay_rank, c.num_heads * self.decay_width, bias=False)
         # The release stores A_log [a_log_size] and reads its first num_heads entries (SPEC §10).
         self.A_log = nn.Parameter(torch.empty(c.num_heads if c.a_log_size is None else c.a_log_size))
-        self.dt_bias = nn.Parameter(torch.empty(hk))
+        self.dt_bias = nn.Parameter(torch.empty(c.num_heads * self.decay_width))
         self.b_proj = nn.Linear(d, c.num_heads, bias=False)
         if c.output_gate_rank:
             self.g_a_proj = nn.Linear(d, c.output_gate_rank, bias=False)
@@ -236,11 +237,14 @@ class KDALayer(nn.Module):
         )
 
     def decay(self, low_rank: Tensor) -> Tensor:
-        """The per-channel log-decay ``g`` ``[B, T, H, d_k]`` (fp32) from the low-rank ``x W_f1``."""
-        z = self.f_b_proj(low_rank).unflatten(-1, (self.num_heads, self.head_dim))
+        """The per-channel log-decay ``g`` ``[B, T, H, d_k]`` (fp32) from the low-rank ``x W_f1``; with
+        ``kda.decay = "head"`` one decay per head, the same on its d_k channels (Gated DeltaNet's scalar gate)."""
+        z = self.f_b_proj(low_rank).unflatten(-1, (self.num_heads, self.decay_width))
         if self.gate == "bounded":
-            return kda.bounded_decay(z, self.A_log[: self.num_heads], self.dt_bias, self.g_min)
-        return kda.softplus_decay(z, self.A_log[: self.num_heads], self.dt_bias)
+            g = kda.bounded_decay(z, self.A_log[: self.num_heads], self.dt_bias, self.g_min)
+        else:
+            g = kda.softplus_decay(z, self.A_log[: self.num_heads], self.dt_bias)
+        return g if self.decay_width == self.head_dim else g.expand(*g.shape[:-1], self.head_dim)
 
     def forward(self, x: Tensor, state: KDAState | None,
                 record: list[KDAReplay] | None = None) -> tuple[Tensor, KDAState | None]:
