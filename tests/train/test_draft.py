@@ -1,5 +1,5 @@
 """The EAGLE-3 draft (SPEC §8): fusion init, stateful forward, propose, save/load, the training-time-test loss
-against an fp64 reference, training and exact resume (issue 14, items 1–2)."""
+against drafting as the server does, training and exact resume (issue 14, items 1–2; issue 38, item 5)."""
 
 from __future__ import annotations
 
@@ -191,30 +191,53 @@ def test_save_load_round_trip(model, tmp_path):
 
 
 @pytest.mark.parametrize("d2t", [None, D2T])
-def test_loss_matches_fp64_reference(d2t):
+def test_the_eagle3_unroll_drafts_each_chain_as_the_server_does(d2t):
+    """EAGLE-3's training-time test: every chain (the one drafted after prefix position i) drafted as serving drafts —
+    the draft reads the prefix's fused features into its state, then decodes token by token from its own outputs
+    (`EagleDraft.forward` with a state: the absorbed MLA path), the true next token fed back — gives the unroll's
+    log-overlap ``log Σ min(p, q)`` at every step and position (fp64)."""
     target = serving.model().double()
-    config = DraftConfig(layer_kind="mla", draft_vocab_size=None if d2t is None else len(d2t))
-    draft = perturbed(EagleDraft(target, config, d2t))
+    draft = perturbed(EagleDraft(target, DraftConfig(layer_kind="mla", draft_vocab_size=None if d2t is None
+                                                     else len(d2t)), d2t))
     tokens = torch.randint(0, 512, (2, 10))
     features, logits = target_outputs(target, draft.config.feature_layers, tokens)
-    ours = unroll_loss(unroll(draft, tokens, draft.fuse(features), logits, 7), 0.8)
-
+    fused = draft.fuse(features)
+    overlaps = unroll(draft, tokens, fused, logits, 7, "eagle3")
     p = logits.softmax(-1)
-    hidden = draft.fuse(features)
     B, T = tokens.shape
-    weighted, weights = 0.0, 0.0
-    for k in range(7):
-        n = T - 1 - k  # draft positions i = 0..n-1 read token i+1+k and predict the target's p at i+1+k
-        draft_logits, hidden, _ = draft(tokens[:, 1 + k:1 + k + n], hidden[:, :n])
-        total = 0.0
-        for b in range(B):
-            for i in range(n):
+    for b in range(B):
+        for i in range(T - 1):
+            state = draft.new_state(1)
+            if i:
+                state = draft.read(tokens[b:b + 1, 1:i + 1], fused[b:b + 1, :i], state)
+            hidden = fused[b:b + 1, i:i + 1]
+            for k in range(min(7, T - 1 - i)):
+                draft_logits, hidden, state = draft(tokens[b:b + 1, i + 1 + k:i + 2 + k], hidden, state)
                 q = torch.zeros(512, dtype=torch.float64)
-                q[draft.d2t if d2t is not None else slice(None)] = draft_logits[b, i].softmax(-1)
-                total += -torch.log(torch.minimum(p[b, i + 1 + k], q).sum())
-        weighted, weights = weighted + 0.8**k * total / (B * n), weights + 0.8**k
-    assert ours.dtype == torch.float64
-    torch.testing.assert_close(ours, weighted / weights, rtol=1e-10, atol=1e-12)
+                q[draft.d2t if d2t is not None else slice(None)] = draft_logits[0, 0].softmax(-1)
+                expected = torch.log(torch.minimum(p[b, i + 1 + k], q).sum())
+                torch.testing.assert_close(overlaps[k][b, i], expected, rtol=1e-10, atol=1e-12)
+
+
+def test_the_causal_unroll_differs_from_eagle3_after_the_first_step():
+    """``mask="causal"`` (a KDA draft's): the same first step; later steps see other chains' drafts, not the prefix."""
+    target = serving.model().double()
+    draft = perturbed(EagleDraft(target, DraftConfig(layer_kind="mla")))
+    tokens = torch.randint(0, 512, (2, 10))
+    features, logits = target_outputs(target, draft.config.feature_layers, tokens)
+    eagle3, causal = (unroll(draft, tokens, draft.fuse(features), logits, 3, mask) for mask in ("eagle3", "causal"))
+    torch.testing.assert_close(causal[0], eagle3[0], rtol=1e-12, atol=1e-12)
+    assert not torch.allclose(causal[1], eagle3[1]) and not torch.allclose(causal[2], eagle3[2])
+    with pytest.raises(ValueError, match="mask"):
+        DraftTrainConfig(layer_kind="kda", mask="eagle3").validate()
+    assert DraftTrainConfig(layer_kind="kda").validate().mask == "causal"
+    assert DraftTrainConfig().validate().mask == "eagle3"
+
+
+def test_the_loss_weighs_step_k_by_step_weight_to_the_k():
+    overlaps = [torch.tensor([-1.0, -3.0]), torch.tensor([-4.0]), torch.tensor([-0.5, -0.5, -0.5])]
+    expected = (1 * 2.0 + 0.8 * 4.0 + 0.64 * 0.5) / (1 + 0.8 + 0.64)
+    assert unroll_loss(overlaps, 0.8).item() == pytest.approx(expected)
 
 
 def test_top_tokens():

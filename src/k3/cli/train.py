@@ -79,7 +79,7 @@ def _train_draft(args: argparse.Namespace) -> int:
 
     config = DraftTrainConfig(
         ckpt=args.ckpt, out=args.out, steps=args.steps, seq_len=args.seq_len, batch_size=args.batch_size,
-        lr=args.lr, seed=args.seed, data=args.data or [], layer_kind=args.layer_kind,
+        lr=args.lr, seed=args.seed, data=args.data or [], layer_kind=args.layer_kind, mask=args.mask,
         feature_layers=args.feature_layers, feature_source=args.feature_source, draft_vocab=args.draft_vocab,
         ckpt_every=args.ckpt_every,
         max_minutes=args.max_minutes, threads=args.threads, progress=not args.no_progress,
@@ -204,6 +204,10 @@ def _add_train_draft(commands: argparse._SubParsersAction) -> None:
                     "library's source (as k3 train)")
     td.add_argument("--data-limit-mb", type=float, help="use at most this much of the standard-library corpus")
     td.add_argument("--layer-kind", choices=("mla", "kda"), default="mla", help="the draft's sequence mixer")
+    td.add_argument("--mask", choices=("eagle3", "causal"),
+                    help="what an unrolled draft step attends to: eagle3 (the default for an MLA draft) sees the "
+                    "target's features for the prefix and its own chain, as when serving; causal (a KDA draft's) "
+                    "its own step's earlier positions")
     td.add_argument("--feature-layers", type=int, nargs=3, metavar=("LOW", "MID", "HIGH"),
                     help="0-based target layers where the fused features are captured (default: the last layers of "
                     "AttnRes blocks 1, 4 and the last; with --feature-source inputs: 2, L//2, L-3)")

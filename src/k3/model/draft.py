@@ -204,9 +204,32 @@ class EagleDraft(nn.Module):
         and returns the advanced state (the given one is not modified); token by token equals one call. Without
         one (training) the call is causal within ``tokens`` and returns None."""
         a, state = self.mixer(self._mixer_input(tokens, hidden), state)
-        h = hidden + a
+        return *self._outputs(hidden, a), state
+
+    def entries(self, tokens: Tensor, hidden: Tensor) -> MLACache:
+        """An MLA draft's cache entries for ``tokens`` ``[B, T]`` with ``hidden`` ``[B, T, d]``: what reading those
+        positions appends (training's prefix for `chain_step`)."""
+        return self._mla().cache_entries(self._mixer_input(tokens, hidden))
+
+    def chain_step(self, tokens: Tensor, hidden: Tensor, prefix: MLACache, chain: list[MLACache]
+                   ) -> tuple[Tensor, Tensor, MLACache]:
+        """`forward` with EAGLE-3's training-time attention (`GatedMLA.chain_step`): position i drafts the next token
+        of the chain after prefix position i, seeing ``prefix`` ≤ i and its ``chain``'s entries at i, as a draft
+        decoding after position i does. Returns ``(logits, hidden_out, this step's entries)``."""
+        a, entry = self._mla().chain_step(self._mixer_input(tokens, hidden), prefix, chain)
+        return *self._outputs(hidden, a), entry
+
+    def _outputs(self, hidden: Tensor, mixed: Tensor) -> tuple[Tensor, Tensor]:
+        """The logits and hidden output after the mixer's output ``mixed``: residual, FFN, norm, the LM head."""
+        h = hidden + mixed
         h = h + self.ffn(self.ffn_norm(h))
-        return self.norm(h) @ self.head_weight().T, h, state
+        return self.norm(h) @ self.head_weight().T, h
+
+    def _mla(self) -> GatedMLA:
+        if not isinstance(self.mixer, GatedMLA):
+            raise ValueError("EAGLE-3's training-time attention needs an MLA draft (layer_kind 'mla'); a KDA draft's "
+                             "state is recurrent")
+        return self.mixer
 
     def read(self, tokens: Tensor, hidden: Tensor, state: DraftState) -> DraftState:
         """The state after ``forward(tokens, hidden, state)``, without what only the outputs need (the FFN and the

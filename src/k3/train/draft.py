@@ -3,16 +3,19 @@
 The target (`k3.model.checkpoint.load_model`) is frozen. Each step takes a packed batch of ``seq_len`` tokens
 from the training corpus (the loader and corpus of `k3.train.pretrain`, `k3.train.data`), runs the target once under
 `K3ForCausalLM.capture` for its three features and its logits, then the *training-time test*: ``unroll`` (7) draft
-passes over the window, each causal over the whole window (`unroll`):
+passes over the window (`unroll`); position i of every pass belongs to the chain the draft drafts after position i:
 
 * step 1 reads the fused target features: position i pairs feature i with token i+1 and predicts token i+2;
 * step k+1 (k ≥ 1) reads step k's output hidden states in place of the features, one token further on:
   position i pairs step k's output at i with token i+k+1 and predicts token i+k+2 — as when the draft drafts its
   (k+1)-th token from its own k-th output.
 
-Each pass is the draft layer's ordinary causal forward, the same for a KDA and an MLA draft, so in steps ≥ 2 the
-earlier positions of the context hold the draft's own states too, where serving has the target's features for the
-accepted prefix (EAGLE-3's attention mask keeps them): a harder condition than serving's, not an easier one.
+What step k+1 at position i attends to (``--mask``): **eagle3** (the default for an MLA draft; EAGLE-3's
+training-time-test mask) — step 1's entries at positions ≤ i (the target's features for the accepted prefix) and
+its own chain's earlier entries at i: exactly what the draft sees when it decodes after position i (tested against
+drafting as the server does). **causal** (a KDA draft, whose state is recurrent; or chosen) — each pass is the
+draft layer's ordinary causal forward, so the earlier positions hold the other chains' drafts where serving has the
+target's features: a harder condition than serving's.
 
 Every step's loss at a position is ``−log Σ_y min(p_y, q_y)`` (p the target's next-token distribution there, q
 the draft's; ``Σ_y min(p_y, q_y)`` is the probability that the lossless rule accepts the draft token), averaged
@@ -47,6 +50,9 @@ from k3.train.driver import Loop, Stage, check_counts, drive
 from k3.train.optim import apply_step, lr_lambda
 from k3.train.rundir import Metrics, open_run
 
+#: The training-time test's attention (`unroll`).
+MASKS = ("eagle3", "causal")
+
 #: Fields a resumed run may change; any other must equal the checkpoint's.
 RESUMABLE_CHANGES = ("ckpt", "out", "steps", "max_minutes", "ckpt_every", "log_every", "eval_batches", "threads",
                      "progress")
@@ -71,6 +77,7 @@ class DraftTrainConfig:
     unroll: int = 7
     step_weight: float = 0.8
     layer_kind: str = "mla"
+    mask: str | None = None  # None: "eagle3" for an MLA draft, "causal" for a KDA one (`unroll`)
     feature_layers: list[int] | None = None
     feature_source: str | None = None
     draft_vocab: int | None = None
@@ -94,6 +101,10 @@ class DraftTrainConfig:
         if not 0 < self.step_weight <= 1 or not self.lr > 0 or not self.clip_grad > 0:
             raise ValueError(f"train-draft: need 0 < step_weight <= 1, lr > 0, clip_grad > 0; got "
                              f"{self.step_weight}, {self.lr}, {self.clip_grad}")
+        if self.mask is None:  # resolved here, so a checkpoint's train.json holds the mask it trained with
+            self.mask = "eagle3" if self.layer_kind == "mla" else "causal"
+        if self.mask not in MASKS or (self.mask == "eagle3" and self.layer_kind != "mla"):
+            raise ValueError(f"train-draft.mask = {self.mask!r} is invalid: 'eagle3' (MLA drafts) or 'causal'")
         return self
 
     def draft_config(self, target: K3Config) -> DraftConfig:
@@ -134,20 +145,30 @@ def target_outputs(target: K3ForCausalLM, layers: tuple[int, ...], inputs: Tenso
         return [layer.captured for layer in chosen], logits
 
 
-def unroll(draft: EagleDraft, tokens: Tensor, fused: Tensor, target_logits: Tensor, steps: int) -> list[Tensor]:
+def unroll(draft: EagleDraft, tokens: Tensor, fused: Tensor, target_logits: Tensor, steps: int,
+           mask: str = "eagle3") -> list[Tensor]:
     """The training-time test (module docstring): per step k = 0..steps−1 the log-overlaps ``[B, T−1−k]``.
 
     ``tokens`` ``[B, T]``, ``fused`` ``[B, T, d]`` (fused target features), ``target_logits`` ``[B, T, V]``. Step k
     reads tokens ``1+k..T−1``, the target's distributions at those positions, and as hidden states the fused
-    features (k = 0) or step k−1's outputs at positions ``0..T−2−k``.
+    features (k = 0) or step k−1's outputs at positions ``0..T−2−k``. Position i of every step belongs to the
+    chain drafted after position i. ``mask``: ``"eagle3"`` (an MLA draft) — step k ≥ 1 sees step 0's entries ≤ i and
+    its own chain's, as the draft decoding after position i does (`EagleDraft.chain_step`); ``"causal"`` — each step
+    is the draft's causal forward over its own inputs, so earlier positions hold other chains' drafts.
     """
     T = tokens.shape[1]
     log_p = target_logits.to(torch.promote_types(target_logits.dtype, torch.float32)).log_softmax(-1)
     hidden = fused[:, : T - 1]
+    prefix = draft.entries(tokens[:, 1:], hidden) if mask == "eagle3" else None
+    chain: list = []
     overlaps = []
     for k in range(steps):
         n = T - 1 - k
-        logits, out, _ = draft(tokens[:, 1 + k:], hidden[:, :n], None)
+        if prefix is None or k == 0:
+            logits, out, _ = draft(tokens[:, 1 + k:], hidden[:, :n], None)
+        else:
+            logits, out, entry = draft.chain_step(tokens[:, 1 + k:], hidden[:, :n], prefix, chain)
+            chain.append(entry)
         overlaps.append(log_overlap(log_p[:, 1 + k:], logits, draft.d2t))
         hidden = out[:, : n - 1]
     return overlaps
@@ -235,18 +256,18 @@ class DraftRun(Stage):
         train_ckpt.publish(self.out, final)
         return final
 
-    def overlaps(self, inputs: Tensor) -> list[Tensor]:
+    def overlaps(self, inputs: Tensor, mask: str) -> list[Tensor]:
         """The unroll's per-step log-overlaps on a batch of token windows ``[B, T]``."""
         features, logits = target_outputs(self.target, self.draft.config.feature_layers, inputs,
                                           self.draft.config.feature_source)
-        return unroll(self.draft, inputs, self.draft.fuse(features), logits, self.config.unroll)
+        return unroll(self.draft, inputs, self.draft.fuse(features), logits, self.config.unroll, mask)
 
     def step(self) -> dict[str, Any]:
         """One optimiser step; returns its metrics."""
         cfg = self.config
         inputs, _, _ = self.loader.next_batch()
         self.draft.train()
-        overlaps = self.overlaps(inputs)
+        overlaps = self.overlaps(inputs, cfg.mask)
         loss = unroll_loss(overlaps, cfg.step_weight)
         loss.backward()
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.draft.parameters(), cfg.clip_grad))
@@ -259,8 +280,10 @@ class DraftRun(Stage):
     @torch.no_grad()
     def evaluate(self) -> list[float]:
         """Expected acceptance per draft step: the mean ``Σ min(p, q)`` over up to ``eval_batches`` batches of the
-        held-out documents' windows (in order; fewer rows when the held-out text is short)."""
+        held-out documents' windows (in order; fewer rows when the held-out text is short). An MLA draft is scored
+        with the eagle3 unroll, as it drafts when serving, whatever mask it trained with."""
         cfg = self.config
+        mask = "eagle3" if cfg.layer_kind == "mla" else "causal"
         stream = sum(len(doc) + 1 for doc in self.val_tokens)
         rows = min(cfg.batch_size, stream // (cfg.seq_len + 1))
         if rows < 1:
@@ -272,7 +295,7 @@ class DraftRun(Stage):
         batches = min(cfg.eval_batches, loader.batches_per_epoch())
         for _ in range(batches):
             inputs, _, _ = loader.next_batch()
-            totals += torch.tensor([o.exp().mean().item() for o in self.overlaps(inputs)], dtype=torch.float64)
+            totals += torch.tensor([o.exp().mean().item() for o in self.overlaps(inputs, mask)], dtype=torch.float64)
         return (totals / batches).tolist()
 
     def postfix(self, record: dict[str, Any]) -> dict[str, object]:

@@ -288,6 +288,35 @@ class GatedMLA(nn.Module):
         _, c_kv, k_s, _ = self._project(x)
         return MLACache(c_kv, k_s)
 
+    def chain_step(self, x: Tensor, prefix: MLACache, chain: list[MLACache]) -> tuple[Tensor, MLACache]:
+        """EAGLE-3's training-time attention (its "training-time test" mask; SPEC §8): ``x`` ``[B, n, d]`` holds, at
+        position i, the next token of the chain drafted after prefix position i. It sees the ``prefix`` entries
+        ≤ i (``[B, ≥ n, ·]``: the positions the target consumed), its chain's earlier entries at i (``chain``: one
+        cache ``[B, ≥ n, ·]`` per earlier step) and its own entry — what a draft decoding after position i attends
+        to. Returns the output ``[B, n, d]`` and x's entries (the next step's last ``chain`` element)."""
+        B, n, _ = x.shape
+        q, c_kv, k_s, gate = self._project(x)
+        own = MLACache(c_kv, k_s)
+        head = self.nope_dim + self.v_dim
+
+        def keys_values(cache: MLACache) -> tuple[Tensor, Tensor]:  # [B, H, n, nope + shared], [B, H, n, v]
+            kv = self.kv_b_proj(cache.latent[:, :n]).view(B, n, self.num_heads, head).transpose(1, 2)
+            k_content, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
+            shared = cache.shared_key[:, :n].unsqueeze(1).expand(B, self.num_heads, n, self.shared_dim)
+            return torch.cat([k_content, shared], dim=-1), v
+
+        k_prefix, v_prefix = keys_values(prefix)
+        diagonal = [keys_values(c) for c in [*chain, own]]
+        causal = torch.arange(n, device=x.device)[None, :] <= torch.arange(n, device=x.device)[:, None]
+        scores = torch.cat([(q @ k_prefix.transpose(-1, -2)).masked_fill(~causal, float("-inf")),
+                            torch.stack([(q * k).sum(-1) for k, _ in diagonal], dim=-1)], dim=-1) * self.scale
+        probs = torch.softmax(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1).to(q.dtype)
+        o = probs[..., :n] @ v_prefix + sum(probs[..., n + s, None] * v for s, (_, v) in enumerate(diagonal))
+        o = o.transpose(1, 2)
+        if gate is not None:
+            o = o * torch.sigmoid(gate).view(B, n, self.num_heads, self.v_dim)
+        return self.o_proj(o.reshape(B, n, self.num_heads * self.v_dim)), own
+
     # ------------------------------------------------------------------ pieces of Eq. 7
     def _project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
         """Queries ``[B, H, T, nope + shared]``, the tokens' cache entries c_kv ``[B, T, r]``, k_s ``[B, T, s]``, and
