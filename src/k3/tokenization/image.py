@@ -1,12 +1,14 @@
 """Images and videos → MoonViT-V2 inputs (SPEC §6; the release's processor, SPEC §10).
 
 An image is decoded (PNG, JPEG, WebP or a still GIF; `decode_image`), resized with its aspect ratio kept so that
-its 14-px patches fit the patch budget (``scale = min(1, √(budget / (⌊W/14⌋·⌊H/14⌋)), 512·14/W, 512·14/H)``, bicubic),
-made opaque by compositing any transparency over the release's chessboard (squares of 8 px, 255 / 180 grey —
-transparent pixels are kept, never dropped), zero-padded right and bottom to a multiple of 28 (two patches, the
-2×2 merge), normalised to ``(x/255 − 0.5) / 0.5`` and cut into patches row-major, channel-first inside a patch:
-``pixel_values [h·w, 3·14·14]`` with grid ``(1, h, w)``. A video's frames share one size and are cut into chunks of
-at most ``max_frames`` frames, each chunk one grid ``(t, h, w)``; a one-frame video is exactly the image.
+its 14-px patches fit the patch budget (``scale = min(1, √(budget / (⌊W/14⌋·⌊H/14⌋)), 512·14/W, 512·14/H)``, bicubic
+in the image's own mode, so Pillow resizes bilevel and palette images by nearest neighbour, as the release's
+processor does), made opaque by compositing any transparency over the release's chessboard (squares of 8 px,
+255 / 180 grey; ``α·rgb + (1 − α)·board`` in float32, truncated — transparent pixels are kept, never dropped),
+zero-padded right and bottom to a multiple of 28 (two patches, the 2×2 merge), normalised to ``(x/255 − 0.5) / 0.5``
+and cut into patches row-major, channel-first inside a patch: ``pixel_values [h·w, 3·14·14]`` with grid
+``(1, h, w)``. A video's frames share one size and are cut into chunks of at most ``max_frames`` frames, each chunk
+one grid ``(t, h, w)``; a one-frame video is exactly the image.
 
 Decoding is bounded before it starts: Pillow reads an image's size and mode from its header, so an image whose
 pixels exceed `MAX_PIXELS`, or whose decoding would take more than the caller's byte budget (`decoded_bytes`), is
@@ -52,7 +54,7 @@ class VisualInput:
 
 def decoded_bytes(image: Image.Image) -> int:
     """The bytes decoding ``image`` holds at its peak, known from its header: its pixels as Pillow stores them (4
-    bytes for several bands, else the band's size) plus their RGB(A) copy (4 bytes a pixel) that is resized."""
+    bytes for several bands, else the band's size) plus their RGB(A) copy (4 bytes a pixel)."""
     mode = ImageMode.getmode(image.mode)
     stored = 4 if len(mode.bands) > 1 else int(mode.typestr[-1])
     return image.width * image.height * (stored + 4)
@@ -114,23 +116,27 @@ def fitted_size(width: int, height: int, patch_budget: int) -> tuple[int, int]:
             min(max(1, int(height * scale)), SIDE_LIMIT * PATCH))
 
 
-def _chessboard(width: int, height: int) -> Image.Image:
+def _chessboard(width: int, height: int) -> np.ndarray:
     y, x = np.mgrid[:height, :width]
     grey = np.where(((y // 8) + (x // 8)) % 2 == 0, 255, 180).astype(np.uint8)
-    return Image.fromarray(np.stack([grey] * 3, axis=-1), "RGB")
+    return np.stack([grey] * 3, axis=-1)
 
 
 def _opaque_rgb(image: Image.Image, size: tuple[int, int]) -> np.ndarray:
-    """``image`` resized to ``size`` (bicubic) as uint8 RGB ``[H, W, 3]``, transparency composited over the
-    chessboard after the resize."""
-    has_alpha = image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info)
-    image = image.convert("RGBA" if has_alpha else "RGB")
+    """``image`` resized to ``size`` as uint8 RGB ``[H, W, 3]``, as the release's processor does it: resized in its
+    own mode, then any transparency composited over the chessboard in float32, ``α·rgb + (1 − α)·board``
+    truncated to uint8."""
     if image.size != size:
         image = image.resize(size, Image.Resampling.BICUBIC)
-    if has_alpha:
-        board = _chessboard(*size).convert("RGBA")
-        image = Image.alpha_composite(board, image).convert("RGB")
-    return np.asarray(image, dtype=np.uint8)
+    if image.mode == "RGB" or ("A" not in image.getbands() and "transparency" not in image.info):
+        return np.asarray(image.convert("RGB"), dtype=np.uint8)
+    rgba, board = np.asarray(image.convert("RGBA")), _chessboard(*size)
+    out = np.empty_like(board)
+    for top in range(0, size[1], 256):  # in bands of rows, so the float32 temporaries stay small
+        rows = slice(top, top + 256)
+        alpha = rgba[rows, :, 3:].astype(np.float32) / 255
+        out[rows] = (alpha * rgba[rows, :, :3] + (1 - alpha) * board[rows]).astype(np.uint8)
+    return out
 
 
 def _patches(frames: np.ndarray) -> tuple[Tensor, tuple[int, int, int]]:
