@@ -194,6 +194,20 @@ def test_complete_configs_list_every_missing_field():
     assert K3Config.from_dict({"num_layers": 5}).hidden_size == 7168  # a user's file may leave fields to the paper
 
 
+def test_a_checkpoint_from_before_a_field_was_added_loads_with_its_old_behaviour():
+    """``kda.decay`` came after checkpoints existed: a checkpoint's config without it decays per channel, as every
+    model did then (found when `make demo`'s run stopped loading); it stays the only field that may be absent."""
+    data = preset("tiny").to_dict()
+    data["kda"]["decay"] = "head"
+    assert K3Config.from_dict(data, complete=True).kda.decay == "head"
+    del data["kda"]["decay"]
+    assert K3Config.from_dict(data, complete=True) == preset("tiny")
+    assert "decay" not in data["kda"]  # the caller's dict is left as it was
+    del data["kda"]["g_min"]
+    with pytest.raises(ValueError, match=r"^missing fields: kda\.g_min$"):
+        K3Config.from_dict(data, complete=True)
+
+
 def test_corrupt_file_is_an_error_naming_the_file(tmp_path):
     path = tmp_path / "config.json"
     path.write_text('{"hidden_size": ')

@@ -170,6 +170,32 @@ def test_cli_train_eval_generate(tmp_path, corpus, capsys):
     assert capsys.readouterr().out == first and first.startswith("def ")
 
 
+def test_a_run_resumes_and_evaluates_after_its_preset_changed(tmp_path, corpus, capsys, monkeypatch):
+    """A run named by its preset keeps the model its checkpoint holds when a later version changes the preset (issue
+    38 changed ``vision.norm_eps``; `make demo`'s existing run then failed to resume or evaluate)."""
+    import dataclasses
+
+    import k3.train.pretrain as pretrain
+
+    out = tmp_path / "run"
+    args = ["train", "--preset", "tiny", "--steps", "2", "--out", str(out), "--data", str(corpus),
+            "--tokens-per-step", "512", "--curriculum", "0:32", "--eval-every", "2", "--ckpt-every", "2",
+            "--no-progress"]
+    assert main(args) == 0
+    original = pretrain.preset
+
+    def changed(name):
+        config = original(name)
+        return dataclasses.replace(config, vision=dataclasses.replace(config.vision, norm_eps=0.25))
+
+    monkeypatch.setattr(pretrain, "preset", changed)
+    assert main([*args[:4], "4", *args[5:], "--resume"]) == 0
+    assert model_ckpt.read_config(out / "step-0000004").vision.norm_eps == original("tiny").vision.norm_eps
+    capsys.readouterr()
+    assert main(["eval", "--ckpt", str(out), "--batches", "1"]) == 0
+    assert json.loads(capsys.readouterr().out)["step"] == 4
+
+
 def test_sampling_rules():
     from k3.generation import sample_next
 

@@ -97,7 +97,7 @@ def _train_draft(args: argparse.Namespace) -> int:
 
 def _eval(args: argparse.Namespace) -> int:
     from k3.train.checkpoint import read_train
-    from k3.train.pretrain import Run, TrainConfig
+    from k3.train.pretrain import Run, TrainConfig, pinned
     from k3.train.sharded import resolve  # a training checkpoint of either format
 
     path = resolve(Path(args.ckpt))
@@ -105,7 +105,7 @@ def _eval(args: argparse.Namespace) -> int:
     config.out, config.progress = str(path.parent), False
     if args.data:
         config.data = args.data
-    run = Run(config)
+    run = Run(pinned(config, path))
     run.prepare_evaluation(path)
     validation = run.evaluate(sys.maxsize if args.all else args.batches)
     print(json.dumps({"checkpoint": str(path), "step": run.step_index, **validation.record()}))

@@ -327,6 +327,8 @@ class K3Config:
         paper defaults unless ``complete`` (checkpoints), where they are an error listing every one."""
         if not isinstance(data, dict):
             raise ValueError(f"config must be a JSON object, got {type(data).__name__}")
+        if complete:
+            data = with_added_fields(data)
         missing = missing_fields(data) if complete else []
         if missing:
             raise ValueError(f"missing fields: {', '.join(missing)}")
@@ -359,6 +361,21 @@ class K3Config:
             raise ValueError(f"{os.fspath(path)}: a Hugging Face config.json (model_type {data['model_type']!r}); "
                              f"read it with k3.config.load_config")
         return cls.from_dict(data)
+
+
+#: Fields added after checkpoints were first written, each with the value that keeps an older checkpoint's behaviour:
+#: a complete config (a checkpoint's) may lack these, and only these.
+ADDED_FIELDS = {"kda.decay": "channel"}
+
+
+def with_added_fields(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` with every absent `ADDED_FIELDS` entry filled in (a copy; ``data`` is left as it is)."""
+    out = dict(data)
+    for name, value in ADDED_FIELDS.items():
+        section, _, key = name.partition(".")
+        if isinstance(out.get(section), dict) and key not in out[section]:
+            out[section] = {**out[section], key: value}
+    return out
 
 
 def missing_fields(data: dict[str, Any]) -> list[str]:

@@ -32,7 +32,7 @@ from k3.dist.layout import ParallelLayout
 from k3.dist.mesh import World
 from k3.train import sharded
 from k3.train.driver import drive
-from k3.train.pretrain import DEFAULT_TOKENS_PER_RANK, PANELS, Run, TrainConfig, tokens_per_step_for, train
+from k3.train.pretrain import DEFAULT_TOKENS_PER_RANK, PANELS, Run, TrainConfig, resumed, tokens_per_step_for, train
 
 
 def check_layout(config: TrainConfig, layout: ParallelLayout) -> ParallelLayout:
@@ -140,7 +140,7 @@ class DistributedRun(Run):
 def train_distributed(config: TrainConfig, world: World, resume: bool = False,
                       redundant_slots: int | None = None) -> DistributedRun:
     """`k3.train.pretrain.train` on this rank of ``world``: every rank calls it."""
-    run = DistributedRun(config, world, redundant_slots)
+    run = DistributedRun(resumed(config, resume), world, redundant_slots)
     run.prepare(resume)
     drive(run, PANELS)
     return run

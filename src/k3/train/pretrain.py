@@ -481,11 +481,27 @@ PANELS: tuple[Panel, ...] = (
     ("expert load", (("load_max_mean", "max / mean (worst layer)"), ("load_idle", "idle experts (all layers)"))))
 
 
+def pinned(config: TrainConfig, checkpoint: Path) -> TrainConfig:
+    """``config`` with its model taken from ``checkpoint``'s ``config.json`` when it names a preset: the checkpoint
+    is the run's model, and a preset's defaults may change between versions (``vision.norm_eps`` did, issue 38). The
+    routed experts' MX settings stay the preset's, so that QAT is still switched only by ``--qat``."""
+    if config.model is not None:
+        return config
+    saved = model_ckpt.read_config(checkpoint)
+    return dataclasses.replace(config, model=dataclasses.replace(saved, mx=preset(config.preset).mx).to_dict())
+
+
+def resumed(config: TrainConfig, resume: bool) -> TrainConfig:
+    """``config`` `pinned` to the checkpoint a ``resume`` continues, if there is one."""
+    found = model_ckpt.latest_checkpoint(Path(config.out), sharded.verify_any) if resume else None
+    return config if found is None else pinned(config, found)
+
+
 def train(config: TrainConfig, resume: bool = False) -> Run:
     """Run (or continue) training (`k3.train.driver.drive`): evaluations every ``eval_every`` steps, checkpoints
     every ``ckpt_every`` steps, both at the end and when ``max_minutes`` runs out. Torch's thread count is
     ``config.threads`` or adapted by `CoreShare` while it runs, and restored afterwards."""
-    run = Run(config)
+    run = Run(resumed(config, resume))
     run.prepare(resume)
     drive(run, PANELS)
     return run
