@@ -9,6 +9,12 @@ literal ``"<|end|>"`` in content stays text). JSON is compact (``separators=(","
 * assistant: ``<|assistant|>[<|think|>{reasoning}]<|response|>{content}[<|tools|>{calls}]<|end|>`` — the think
   channel is always present in thinking mode (even empty) and always absent in instruct mode;
 * generation prompt: ``<|assistant|><|think|>`` (thinking) or ``<|assistant|><|response|>`` (instruct).
+
+Fallback for a malformed tools section (cut short by the token limit, invalid JSON, not a list of
+``{"id", "name", "arguments": {...}}`` calls, stray special tokens inside): :func:`parse_tool_calls` gives ``None``
+and the chat route puts the section's raw text (the tools channel as `AssistantParser` streamed it) at the end of
+``content``, with no ``tool_calls`` — never an empty call list with the text dropped. The tools channel is never
+streamed as content while it is generated: whether it is calls is known only when it ends.
 """
 
 from __future__ import annotations
@@ -239,7 +245,8 @@ class AssistantParser:
 
     Channels are ``"reasoning"``, ``"content"`` and ``"tools"``; generation starts in reasoning (thinking mode) or
     content (instruct). ``<|think|>``/``<|response|>``/``<|tools|>`` switch channel, ``<|end|>``/``<|eos|>`` end the
-    message (``ended``; later ids are ignored), other special tokens are dropped.
+    message (``ended``; later ids are ignored), other special tokens are dropped, except in the tools channel, which
+    writes them as their literals (a section holding one is malformed: it stays text, see the module's fallback).
     """
 
     def __init__(self, tokenizer: Tokenizer, mode: str = "thinking") -> None:
@@ -260,7 +267,9 @@ class AssistantParser:
         if t in (_END, _EOS):
             self.ended = True
             return self.flush()
-        return [] if t < NUM_SPECIAL_TOKENS else self._delta(self._detok.push(t))
+        if t < NUM_SPECIAL_TOKENS:  # stray markup: dropped, but kept as its literal where it spoils a tools section
+            return self.flush() + self._delta(SPECIAL_TOKENS[t]) if self.channel == "tools" else []
+        return self._delta(self._detok.push(t))
 
     def flush(self) -> list[tuple[str, str]]:
         """The held-back remainder of the current channel (an incomplete character becomes U+FFFD)."""

@@ -14,6 +14,15 @@ a tag opens as ``<|open|>NAME key="value"<|sep|>`` (values escape ``&`` then ``"
 * tool result: ``message role="tool" tool="NAME" index="n"`` (results put in call order when every id resolves);
 * generation prompt: ``<|open|>message role="assistant"<|sep|>`` + ``<|open|>think<|sep|>`` (thinking) or
   ``<|open|>response<|sep|>`` (instruct).
+
+Fallback for a malformed tools section (cut short by the token limit, an unclosed tag, an argument whose text is not
+of its ``type``, a ``json`` block that is not an object, markup other than ``call``/``argument``/``json``, no call):
+:func:`parse_tool_calls` gives ``None`` and the chat route puts the section's raw text (the tools channel as
+`AssistantParser` streamed it, its markers written as literals) at the end of ``content``, with no ``tool_calls`` —
+never an empty call list with the text dropped. The section is not streamed as content while it is generated: whether
+it is calls is known only when it ends. Text parsing cannot tell a marker's literal inside an argument (text that
+spells ``<|close|>argument<|sep|>``) from the marker, as with the release's own parsers: such a section parses as the
+text reads.
 """
 
 from __future__ import annotations
@@ -55,7 +64,7 @@ _Parts = list[str]  # text and _Marker items
 _TOOLS_HEAD = "# Tools\nHere are the available tools, described in JSONSchema.\n\n```json\n"
 _JSON_TYPES = ((bool, "boolean"), (type(None), "null"), ((int, float), "number"), (str, "string"), (dict, "object"),
                (list, "array"))
-_CHANNELS = {"think": "reasoning", "response": "content", "tools": "tools"}
+_CHANNELS = {"think": "reasoning", "response": "content", "tools": "tools", "call": "tools"}  # opening tag -> channel
 EFFORTS = ("low", "high", "max")
 _RAW_JSON = ("The system is invoked with `response_format={}`.\nYour response must be raw JSON data without markdown "
              "code blocks (```json) or any additional formatting.")
@@ -306,13 +315,16 @@ def _arguments(body: str) -> dict | None:
 
 
 def parse_tool_calls(text: str) -> list[dict] | None:
-    """A tools section (``call`` blocks, with or without the ``tools`` tags) -> OpenAI tool_calls.
+    """A tools section (``call`` blocks, with both ``tools`` tags or neither) -> OpenAI tool_calls.
 
-    ``None`` unless the text is well-formed calls only (e.g. a section cut off by the token limit).
+    ``None`` unless the text is well-formed calls only: not for a section cut off by the token limit (one ``tools``
+    tag alone), an unclosed tag, an invalid argument, other markup, or no call at all.
     """
     body = text.strip()
-    body = body[len(_WRAP[0]):] if body.startswith(_WRAP[0]) else body
-    body = body[:-len(_WRAP[1])] if body.endswith(_WRAP[1]) else body
+    wrapped = body.startswith(_WRAP[0]), body.endswith(_WRAP[1])
+    if wrapped[0] != wrapped[1]:
+        return None
+    body = body[len(_WRAP[0]):-len(_WRAP[1])] if wrapped[0] else body
     calls = []
     for i, m in enumerate(_blocks(_CALL, body) or ()):
         name, args = _attrs(m[1]).get("tool"), _arguments(m[2])
@@ -327,9 +339,10 @@ class AssistantParser:
 
     Generation starts in ``"reasoning"`` (thinking) or ``"content"`` (instruct). A tag (``<|open|>`` or ``<|close|>``
     up to ``<|sep|>``) is held back until complete: opening ``think``/``response``/``tools`` switches to the
-    reasoning/content/tools channel, any other tag leaves text unrouted until the next one. The tools section goes to
-    ``"tools"`` verbatim, its markers as literals, ``tools`` tags included (input for :func:`parse_tool_calls`); other
-    marker text is never emitted. ``<|end_of_msg|>`` or eos ends the message (``ended``; later ids are ignored).
+    reasoning/content/tools channel, any other tag leaves text unrouted until the next one. The tools section (opened
+    by ``tools``, or by a ``call`` that lacks it) goes to ``"tools"`` verbatim, its markers as literals (input for
+    :func:`parse_tool_calls`), until ``tools`` closes (included) or the message does (not included); other marker
+    text is never emitted. ``<|end_of_msg|>`` or eos ends the message (``ended``; later ids are ignored).
     """
 
     def __init__(self, tokenizer: Any, mode: str = "thinking") -> None:
@@ -373,6 +386,9 @@ class AssistantParser:
         ids, self._tag = self._tag, None
         opening, name = ids[0] == self._open, self.tokenizer.decode(ids[1:-1]).split(" ", 1)[0]
         if self.channel == "tools":
+            if not opening and name == "message":  # the turn ends a section left open (which then does not parse)
+                self.channel = None
+                return []
             out = self._emit(self.tokenizer.decode(ids))
             if not opening and name == "tools":
                 self.channel = None

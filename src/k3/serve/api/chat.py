@@ -1,6 +1,8 @@
 """``POST /v1/chat/completions``: a conversation in the model's chat format (`k3.chat`); the think channel
 streams as ``reasoning_content`` (or, with ``separate_reasoning: false`` / ``k3 serve --reasoning-in-content``, into
-``content`` as ``<think>…</think>``), the tools channel becomes OpenAI ``tool_calls``.
+``content`` as ``<think>…</think>``), the tools channel becomes OpenAI ``tool_calls`` (sent when the choice ends) —
+or, when it does not parse, the chat format's fallback: its raw text at the end of ``content``, no ``tool_calls``, the
+finish reason left as it was (`k3.chat.native`, `k3.chat.xtml`).
 
 Structured output is constrained decoding (`k3.serve.engine.structured`): ``response_format`` ``json_object`` /
 ``json_schema`` (and vLLM's ``guided_json``) constrain the answer; a forced tool call (``tool_choice:
