@@ -3,15 +3,24 @@
 The serving interface of :mod:`k3.chat.native` (``MODES``, ``render``, ``AssistantParser``, ...) for tokenizers with
 ``chat_format == "xtml"``. Markers are the special tokens ``<|open|>``, ``<|sep|>``, ``<|close|>``, ``<|end_of_msg|>``:
 a tag opens as ``<|open|>NAME key="value"<|sep|>`` (values escape ``&`` then ``"``) and closes as
-``<|close|>NAME<|sep|>``. Markers are inserted as ids; each run of text between them is encoded on its own with
-``tokenizer.encode`` (so a literal ``"<|open|>"`` in content stays text).
+``<|close|>NAME<|sep|>``. Markers are inserted as ids; the text is encoded with ``tokenizer.encode`` in the
+segments the release's encoder (``encoding_k3.build_chat_segments``) cuts it into, each on its own so that no merge
+crosses from one into the next: a tag's name; per attribute `` key``, ``="``, the value, ``"``; each text part of a
+content; a reasoning; an argument's value (so a literal ``"<|open|>"`` in content stays text).
 
-* user / system: ``<|open|>message role="user"[ name="..."]<|sep|>{content}<|close|>message<|sep|><|end_of_msg|>``;
-  with tools, a first system message ``role="system" type="tool-declare"`` lists them as sorted compact JSON;
-  in thinking mode a system message ``type="thinking-effort"`` follows (effort ``max`` by default);
-* assistant: ``message role="assistant"`` holding ``think`` (thinking mode, always), ``response`` and, with tool
-  calls, ``tools`` of ``call tool="NAME" index="k"`` blocks of typed ``argument key="K" type="T"`` blocks;
-* tool result: ``message role="tool" tool="NAME" index="n"`` (results put in call order when every id resolves);
+* user / system (a developer message is a system message): ``<|open|>message role="user"[ name="..."]<|sep|>``,
+  the content, ``<|close|>message<|sep|><|end_of_msg|>`` (an empty name is no attribute); with tools, a first
+  system message ``role="system" type="tool-declare"`` lists them as sorted compact JSON; in thinking mode a system
+  message ``type="thinking-effort"`` follows (effort ``max`` by default); a system message with ``tools`` declares
+  them where it stands instead ("## New Tools Available", the release's lazy loading);
+* assistant: ``message role="assistant"[ name="..."]`` holding ``think`` (thinking mode, always; ``reasoning_content``
+  or ``reasoning``), ``response`` and, with tool calls, ``tools`` of ``call tool="NAME" index="k"`` blocks of typed
+  ``argument key="K" type="T"`` blocks (absent or blank arguments: none; text that is not JSON: a ``json`` block);
+* tool result: ``message role="tool" tool="NAME" index="n"``, ``n`` counting the results since the assistant
+  message. A run of consecutive results whose ids all name its calls is put in call order and named by them; in any
+  other run each result is named by its ``name``, else by the call at its position;
+* images, in any message's content: ``<|media_begin|>image WxH<|media_content|>``, one ``<|media_pad|>`` per visual
+  token, ``<|media_end|>``, asked of ``media`` in the order the prompt holds them;
 * generation prompt: ``<|open|>message role="assistant"<|sep|>`` + ``<|open|>think<|sep|>`` (thinking) or
   ``<|open|>response<|sep|>`` (instruct).
 
@@ -27,6 +36,7 @@ text reads.
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from collections.abc import Sequence
@@ -51,7 +61,8 @@ from k3.tokenization.image import VisualInput
 __all__ = ["MODES", "AssistantParser", "parse_tool_calls", "render", "render_text", "stop_ids"]
 
 #: This format lays out images (``render(..., media=...)``): ``<|media_begin|>image WxH<|media_content|>``, one
-#: ``<|media_pad|>`` per visual token, ``<|media_end|>`` (the release's processor; W×H the original size).
+#: ``<|media_pad|>`` per visual token, ``<|media_end|>`` (the release's processor; W×H the original size), in any
+#: message.
 IMAGES = True
 
 
@@ -62,6 +73,9 @@ class _Marker(str):
 OPEN, CLOSE, SEP, END = _Marker("open"), _Marker("close"), _Marker("sep"), _Marker("end_of_msg")
 _Parts = list[str]  # text and _Marker items
 _TOOLS_HEAD = "# Tools\nHere are the available tools, described in JSONSchema.\n\n```json\n"
+_NEW_TOOLS_HEAD = ("## New Tools Available\nThe system dynamically extends the toolset via lazy-loading.\n"
+                   "You have access to all existing and extended tools.\nHere are the specs for the extended tools.\n\n"
+                   "```json\n")
 _JSON_TYPES = ((bool, "boolean"), (type(None), "null"), ((int, float), "number"), (str, "string"), (dict, "object"),
                (list, "array"))
 _CHANNELS = {"think": "reasoning", "response": "content", "tools": "tools", "call": "tools"}  # opening tag -> channel
@@ -86,69 +100,86 @@ def stop_ids(tokenizer: Any) -> tuple[int, ...]:
 # validation
 
 
+def _call_arguments(args: Any, where: str) -> dict | str:
+    """A call's arguments as the release reads them: absent or blank -> ``{}``, a JSON object (text or dict) -> keyed
+    arguments, text that is not JSON -> kept raw (a ``json`` block); JSON that is no object is refused."""
+    if args is None or isinstance(args, str) and not args.strip():
+        return {}
+    if isinstance(args, dict):
+        return args
+    if not isinstance(args, str):
+        raise ValueError(f"{where}: expected a JSON string, got {type(args).__name__}")
+    try:
+        value = parse_json(args)
+    except ValueError:  # not JSON (or nested deeper than MAX_JSON_DEPTH): the raw text
+        return args
+    if not isinstance(value, dict):
+        raise ValueError(f"{where}: must be a JSON object, got {args!r:.80}")
+    return value
+
+
 def _calls(calls: Any, where: str) -> list[dict]:
-    """``[{"id": str | None, "name": str, "arguments": dict | str}]``; a string that is no JSON object stays raw."""
-    out = []
-    for j, call, fn in checked_calls(calls, where, id_required=False):
-        args = fn.get("arguments")
-        if isinstance(args, str):  # as the release: blank → {}, a JSON object → keyed arguments, not JSON → raw
-            parsed = loads(args) if args.strip() else {}
-            if parsed is not None and not isinstance(parsed, dict):
-                raise ValueError(f"{where}[{j}].function.arguments: must be a JSON object, got {args!r:.80}")
-            args = args if parsed is None else parsed
-        elif not isinstance(args, dict):
-            raise ValueError(f"{where}[{j}].function.arguments: expected a JSON string, got {type(args).__name__}")
-        out.append({"id": call.get("id"), "name": fn["name"], "arguments": args})
-    return out
+    """``[{"id": str | None, "name": str, "arguments": dict | str}]``."""
+    return [{"id": call.get("id"), "name": fn["name"], "arguments": _call_arguments(
+                fn.get("arguments"), f"{where}[{j}].function.arguments")}
+            for j, call, fn in checked_calls(calls, where, id_required=False)]
 
 
-def _message(i: int, m: Any, media: Media | None = None) -> dict:
+def _message(i: int, m: Any) -> dict:
+    """Message ``i`` checked, with what the release reads of it; its content is read while rendering (images then
+    come in the order the prompt holds them)."""
     where, role = message_role(i, m)
-    content = m.get("content")
-    pieces = [""] if content is None and role == "assistant" else content_pieces(content, f"{where}.content",
-                                                                          media if role == "user" else None)
-    out = {"role": "system" if role == "developer" else role,
-           "content": "".join(p for p in pieces if isinstance(p, str))}
-    if any(isinstance(p, VisualInput) for p in pieces):
-        out["pieces"] = pieces
+    out = {"role": "system" if role == "developer" else role, "where": where, "content": m.get("content")}
+    if m.get("name") is not None:
+        out["name"] = m["name"]
     if role == "assistant":
-        out["reasoning"] = m.get("reasoning_content") or ""
+        reasoning = m.get("reasoning_content") or m.get("reasoning")  # the release reads either name
+        if reasoning is not None and not isinstance(reasoning, str):
+            raise ValueError(f"{where}.reasoning: expected a string, got {type(reasoning).__name__}")
+        out["reasoning"] = reasoning or ""
         out["calls"] = _calls(m.get("tool_calls") or [], f"{where}.tool_calls")
     elif role == "tool":
-        out["tool_call_id"] = m.get("tool_call_id") or ""
-    elif m.get("name") is not None:
-        out["name"] = m["name"]
+        out["tool_call_id"] = m.get("tool_call_id")
+    elif out["role"] == "system" and m.get("tools"):  # tools declared mid-conversation (the release's lazy loading)
+        try:
+            functions(m["tools"])
+        except ValueError as err:
+            raise ValueError(f"{where}.{err}") from None
+        out["tools"] = m["tools"]
     return out
 
 
-def _resolve_results(msgs: list[dict]) -> None:
-    """Give each tool result its ``tool`` name and 1-based ``index`` among the results after the last assistant."""
+def _resolve_results(msgs: list[dict]) -> list[dict]:
+    """``msgs`` with each tool result given its ``tool`` name and 1-based ``index`` among the results since the last
+    assistant message, as the release: a run of consecutive results whose ids all name that message's calls is put in
+    call order and named by them; any other run keeps its order, each result named by its ``name``, else by the call
+    at its position."""
+    out: list[dict] = []
     calls: list[dict] = []
-    group: list[int] = []
-    for i, m in enumerate(msgs):
-        if m["role"] == "tool":
-            group.append(i)
-        elif m["role"] == "assistant":
-            _resolve_group(msgs, group, calls)
-            calls, group = m["calls"], []
-    _resolve_group(msgs, group, calls)
-
-
-def _resolve_group(msgs: list[dict], group: list[int], calls: list[dict]) -> None:
-    """Name the results at ``group`` by call id, else by position; put them in call order when every id resolves."""
     position: dict[str, int] = {}
-    for k, call in enumerate(calls):
-        if call["id"] is not None:
-            position.setdefault(call["id"], k)
-    results = [msgs[i] for i in group]
-    if all(r["tool_call_id"] in position for r in results):
-        results.sort(key=lambda r: position[r["tool_call_id"]])
-    for n, (i, r) in enumerate(zip(group, results), 1):
-        k = position.get(r["tool_call_id"], n - 1)
-        if k >= len(calls):
-            raise ValueError(f"messages[{i}].tool_call_id: {r['tool_call_id']!r} names no tool call of the preceding "
-                             f"assistant message, which has no call #{n} either")
-        msgs[i] = {**r, "tool": calls[k]["name"], "index": n}
+    n = 0
+    for results, run in itertools.groupby(msgs, lambda m: m["role"] == "tool"):
+        run = list(run)
+        if not results:
+            for m in run:
+                if m["role"] == "assistant":  # the first of repeated ids names the call
+                    calls, n = m["calls"], 0
+                    position = {c["id"]: k for k, c in reversed(list(enumerate(calls))) if c["id"] is not None}
+            out += run
+            continue
+        by_id = all(r["tool_call_id"] in position for r in run)
+        if by_id:
+            run.sort(key=lambda r: position[r["tool_call_id"]])
+        for r in run:
+            n += 1
+            k = position[r["tool_call_id"]] if by_id else n - 1
+            name = calls[k]["name"] if by_id else r.get("name", calls[k]["name"] if k < len(calls) else None)
+            if name is None:
+                raise ValueError(f"{r['where']}.tool_call_id: {r['tool_call_id']!r} names no tool call of the "
+                                 f"preceding assistant message, which has no call #{n} either, and the result has no "
+                                 "name")
+            out.append({**r, "tool": name, "index": n})
+    return out
 
 
 # ------------------------------------------------------------------------------------------------
@@ -160,7 +191,8 @@ def _escape(value: str) -> str:
 
 
 def _open(name: str, *attrs: tuple[str, str]) -> _Parts:
-    return [OPEN, name + "".join(f' {k}="{_escape(v)}"' for k, v in attrs), SEP]
+    """A tag, each attribute four segments as the release cuts them: `` key``, ``="``, the escaped value, ``"``."""
+    return [OPEN, name, *(p for k, v in attrs for p in (f" {k}", '="', _escape(v), '"')), SEP]
 
 
 def _block(name: str, body: _Parts, *attrs: tuple[str, str]) -> _Parts:
@@ -170,6 +202,11 @@ def _block(name: str, body: _Parts, *attrs: tuple[str, str]) -> _Parts:
 def _system(kind: str, body: str) -> _Parts:
     """A system message the format adds itself (``type="tool-declare"``, ``"thinking-effort"``)."""
     return [*_block("message", [body], ("role", "system"), ("type", kind)), END]
+
+
+def _declare(head: str, tools: list[dict]) -> _Parts:
+    return _system("tool-declare", head + json.dumps(tools, ensure_ascii=False, separators=(",", ":"),
+                                                     sort_keys=True) + "\n```")
 
 
 def _json_type(value: Any) -> str:
@@ -187,20 +224,31 @@ def _call(k: int, call: dict) -> _Parts:
     return _block("call", body, ("tool", call["name"]), ("index", str(k)))
 
 
-def _render_message(m: dict, thinking: bool) -> _Parts:
+def _content(m: dict, media: Media | None) -> _Parts:
+    """A message's content, each text part a segment of its own and each image laid out (asked of ``media`` now:
+    images are read in the order the prompt holds them)."""
+    if m["content"] is None and m["role"] == "assistant":
+        return []
+    pieces = content_pieces(m["content"], f"{m['where']}.content", media)
+    return [q for p in pieces for q in ([p] if isinstance(p, str) else _image(p))]
+
+
+def _render_message(m: dict, thinking: bool, media: Media | None) -> _Parts:
     role = m["role"]
-    if role == "assistant":
-        body = _block("think", [m["reasoning"] if m["reasoning"].strip() else ""]) if thinking else []
-        body += _block("response", [m["content"]])
-        if m["calls"]:
-            body += _block("tools", [p for k, call in enumerate(m["calls"], 1) for p in _call(k, call)])
-        return [*_block("message", body, ("role", "assistant")), END]
+    if "tools" in m:
+        return _declare(_NEW_TOOLS_HEAD, m["tools"])
     attrs = [("role", role)]
     if role == "tool":
         attrs += [("tool", m["tool"]), ("index", str(m["index"]))]
-    elif "name" in m:
+    elif m.get("name"):  # an empty name is no attribute, as the release
         attrs.append(("name", m["name"]))
-    body = [q for p in m.get("pieces", [m["content"]]) for q in ([p] if isinstance(p, str) else _image(p))]
+    body = _content(m, media)
+    if role == "assistant":
+        body = _block("response", body)
+        if thinking:
+            body = _block("think", [m["reasoning"] if m["reasoning"].strip() else ""]) + body
+        if m["calls"]:
+            body += _block("tools", [p for k, call in enumerate(m["calls"], 1) for p in _call(k, call)])
     return [*_block("message", body, *attrs), END]
 
 
@@ -210,60 +258,63 @@ def _image(image: VisualInput) -> _Parts:
             *[_Marker("media_pad")] * image.tokens, _Marker("media_end")]
 
 
+def _response_schema(response_format: Any) -> Any:
+    """The schema of a ``json_schema`` response format as the release reads it: ``json_schema.schema``, else the
+    ``json_schema`` object's own ``json_schema``, else that object itself."""
+    spec = response_format.get("json_schema") if isinstance(response_format, dict) else None
+    return spec.get("schema", spec.get("json_schema", spec)) if isinstance(spec, dict) else spec
+
+
 def _encode(parts: _Parts, tokenizer: Any) -> list[int]:
-    """Marker ids, and each run of adjacent text pieces encoded as plain text."""
+    """Marker ids, and each text piece encoded on its own as plain text (the release's segments: merges never cross
+    from one piece into the next)."""
     ids: list[int] = []
-    text: list[str] = []
-    for p in [*parts, None]:
-        if isinstance(p, _Marker) or p is None:
-            run = "".join(text)
-            if SURROGATE.search(run):
-                raise ValueError(f"text {run[:40]!r}... contains a lone surrogate, which is not valid Unicode")
-            ids += tokenizer.encode(run)
-            ids += [tokenizer.special_id(p)] if p is not None else []
-            text = []
-        else:
-            text.append(p)
+    for p in parts:
+        if isinstance(p, _Marker):
+            ids.append(tokenizer.special_id(p))
+            continue
+        if SURROGATE.search(p):
+            raise ValueError(f"text {p[:40]!r}... contains a lone surrogate, which is not valid Unicode")
+        ids += tokenizer.encode(p)
     return ids
 
 
 def render(messages: Sequence[dict], tokenizer: Any, mode: str = "thinking", tools: list[dict] | None = None,
            add_generation_prompt: bool = True, thinking_effort: str = "max", tool_choice: str = "auto",
-           response_format: dict | None = None, media: Media | None = None) -> list[int]:
+           response_format: dict | str | None = None, media: Media | None = None) -> list[int]:
     """Token ids of a conversation in the XTML format; ``ValueError`` naming the field for invalid input.
 
     In thinking mode a ``thinking-effort`` system message follows the tool declaration, as the release's
     ``apply_chat_template`` writes it (its default effort is ``"max"``; ``"low"`` and ``"high"`` are accepted).
     After the conversation, as the release's encoder does: a ``tool-choice`` message for ``tool_choice``
-    ``"required"`` or ``"none"`` and a ``response-format`` message for a JSON ``response_format``.
+    ``"required"`` or ``"none"`` and a ``response-format`` message for a JSON ``response_format`` (an object with a
+    ``type``, or the type alone). ``media`` turns the ``image_url`` parts of any message into images.
     """
     check_mode(mode)
     if thinking_effort not in EFFORTS:
         raise ValueError(f"thinking_effort: expected one of {EFFORTS}, got {thinking_effort!r}")
     if not isinstance(messages, (list, tuple)) or not messages:
         raise ValueError("messages: expected a non-empty list")
-    msgs = [_message(i, m, media) for i, m in enumerate(messages)]
-    _resolve_results(msgs)
+    msgs = _resolve_results([_message(i, m) for i, m in enumerate(messages)])
     thinking = mode == "thinking"
     parts: _Parts = []
     if tools is not None and functions(tools):
-        declared = json.dumps(tools, ensure_ascii=False, separators=(",", ":"), sort_keys=True)
-        parts += _system("tool-declare", _TOOLS_HEAD + declared + "\n```")
+        parts += _declare(_TOOLS_HEAD, tools)
     if thinking:
         parts += _system("thinking-effort", _EFFORT.format(thinking_effort))
     for m in msgs:
-        parts += _render_message(m, thinking)
+        parts += _render_message(m, thinking, media)
     if tool_choice in ("required", "none"):
         parts += _system("tool-choice", f"The system is invoked with `tool_choice={tool_choice}`.\nYou MUST "
                                         f"{'call tools' if tool_choice == 'required' else 'NOT call any tools'} in the "
                                         "next message.")
-    kind = (response_format or {}).get("type")
+    kind = response_format.get("type") if isinstance(response_format, dict) else response_format
     if kind in ("json_object", "json_schema"):
         body = _RAW_JSON.format(kind)
         if kind == "json_schema":
-            schema = (response_format.get("json_schema") or {}).get("schema")
             body += ("\nThe JSON data must match the following schema:\n```json\n"
-                     + json.dumps(schema, ensure_ascii=False, separators=(",", ":"), sort_keys=True) + "\n```")
+                     + json.dumps(_response_schema(response_format), ensure_ascii=False, separators=(",", ":"),
+                                  sort_keys=True) + "\n```")
         parts += _system("response-format", body)
     if add_generation_prompt:
         parts += [*_open("message", ("role", "assistant")), *_open("think" if thinking else "response")]

@@ -52,7 +52,7 @@ from k3.model.state import DecoderState
 __all__ = ["CHAT_FORMAT_VERSION", "CacheStats", "Hit", "PrefixCache"]
 
 #: Bumped whenever a chat format's rendering changes, so cached prefixes of the old rendering are never reused.
-CHAT_FORMAT_VERSION = 1
+CHAT_FORMAT_VERSION = 2  # 2: XTML text encoded in the release encoder's segments (issue 38)
 
 
 @dataclass
