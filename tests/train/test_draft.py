@@ -282,3 +282,25 @@ def test_resume_continues_exactly(target_dir, corpus, tmp_path, capsys):
     capsys.readouterr()
     assert main([*flags[:-1], "mla", "--out", str(tmp_path / "part"), "--steps", "8", "--resume"]) == 2
     assert "layer_kind" in capsys.readouterr().err
+
+
+def test_a_run_from_before_the_mask_resumes_with_the_causal_mask_it_trained_with(target_dir, corpus, tmp_path, capsys):
+    """An MLA draft run whose train.json predates ``mask`` trained causally: resumed with the default (eagle3) it is
+    refused naming the field, with ``--mask causal`` it continues."""
+    import hashlib
+
+    out = tmp_path / "old"
+    flags = ["train-draft", "--ckpt", str(target_dir), "--seq-len", "16", "--batch-size", "2", "--data", str(corpus),
+             "--threads", "1", "--no-progress", "--ckpt-every", "1", "--out", str(out)]
+    assert main([*flags, "--steps", "1", "--mask", "causal"]) == 0
+    ckpt = out / "step-0000001"
+    train = json.loads((ckpt / "train.json").read_text())
+    del train["mask"]
+    (ckpt / "train.json").write_text(json.dumps(train))
+    manifest = json.loads((ckpt / "checksums.json").read_text())
+    manifest["files"]["train.json"] = hashlib.sha256((ckpt / "train.json").read_bytes()).hexdigest()
+    (ckpt / "checksums.json").write_text(json.dumps(manifest))
+    capsys.readouterr()
+    assert main([*flags, "--steps", "2", "--resume"]) == 2
+    assert "field 'mask' is 'causal' in the checkpoint but 'eagle3' was requested" in capsys.readouterr().err
+    assert main([*flags, "--steps", "2", "--resume", "--mask", "causal"]) == 0

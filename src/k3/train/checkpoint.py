@@ -120,10 +120,12 @@ def read_train(ckpt: Path) -> dict[str, Any]:
     return data
 
 
-def check_resumable(ckpt: Path, config: dict[str, Any], may_change: Sequence[str]) -> None:
+def check_resumable(ckpt: Path, config: dict[str, Any], may_change: Sequence[str],
+                    added: dict[str, Any] | None = None) -> None:
     """A resumed run's settings ``config`` (as JSON stores them: tuples become lists) must be the checkpoint's
-    ``train.json``, except ``may_change`` (ValueError naming the field)."""
-    saved, requested = read_train(ckpt), json.loads(json.dumps(config))
+    ``train.json``, except ``may_change`` (ValueError naming the field). ``added``: fields newer than some
+    checkpoints, with the value a checkpoint without them trained with."""
+    saved, requested = {**(added or {}), **read_train(ckpt)}, json.loads(json.dumps(config))
     for key, value in requested.items():
         if key not in may_change and saved.get(key) != value:
             raise ValueError(f"{ckpt / 'train.json'}: field {key!r} is {saved.get(key)!r} in the checkpoint but "

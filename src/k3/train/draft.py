@@ -231,7 +231,7 @@ class DraftRun(Stage):
         self.metrics.start(None if existing is None else self.step_index)
 
     def _restore(self, path: Path) -> None:
-        train_ckpt.check_resumable(path, asdict(self.config), RESUMABLE_CHANGES)
+        train_ckpt.check_resumable(path, asdict(self.config), RESUMABLE_CHANGES, {"mask": "causal"})  # before masks
         state = train_ckpt.load_state(path)
         try:
             self.optimizer.load_state_dict(state["optimizer"])
