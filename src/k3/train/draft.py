@@ -53,6 +53,11 @@ from k3.train.rundir import Metrics, open_run
 #: The training-time test's attention (`unroll`).
 MASKS = ("eagle3", "causal")
 
+
+def serving_mask(layer_kind: str) -> str:
+    """The unroll that drafts as the server does: ``eagle3`` for an MLA draft; a KDA draft has only ``causal``."""
+    return "eagle3" if layer_kind == "mla" else "causal"
+
 #: Fields a resumed run may change; any other must equal the checkpoint's.
 RESUMABLE_CHANGES = ("ckpt", "out", "steps", "max_minutes", "ckpt_every", "log_every", "eval_batches", "threads",
                      "progress")
@@ -102,7 +107,7 @@ class DraftTrainConfig:
             raise ValueError(f"train-draft: need 0 < step_weight <= 1, lr > 0, clip_grad > 0; got "
                              f"{self.step_weight}, {self.lr}, {self.clip_grad}")
         if self.mask is None:  # resolved here, so a checkpoint's train.json holds the mask it trained with
-            self.mask = "eagle3" if self.layer_kind == "mla" else "causal"
+            self.mask = serving_mask(self.layer_kind)
         if self.mask not in MASKS or (self.mask == "eagle3" and self.layer_kind != "mla"):
             raise ValueError(f"train-draft.mask = {self.mask!r} is invalid: 'eagle3' (MLA drafts) or 'causal'")
         return self
@@ -283,7 +288,7 @@ class DraftRun(Stage):
         held-out documents' windows (in order; fewer rows when the held-out text is short). An MLA draft is scored
         with the eagle3 unroll, as it drafts when serving, whatever mask it trained with."""
         cfg = self.config
-        mask = "eagle3" if cfg.layer_kind == "mla" else "causal"
+        mask = serving_mask(cfg.layer_kind)
         stream = sum(len(doc) + 1 for doc in self.val_tokens)
         rows = min(cfg.batch_size, stream // (cfg.seq_len + 1))
         if rows < 1:

@@ -492,8 +492,10 @@ def pinned(config: TrainConfig, checkpoint: Path) -> TrainConfig:
 
 
 def resumed(config: TrainConfig, resume: bool) -> TrainConfig:
-    """``config`` `pinned` to the checkpoint a ``resume`` continues, if there is one."""
-    found = model_ckpt.latest_checkpoint(Path(config.out), sharded.verify_any) if resume else None
+    """``config`` `pinned` to the checkpoint a ``resume`` continues, if there is one (a run whose config holds its
+    model is pinned already: no checkpoint is looked for)."""
+    pin = resume and config.model is None
+    found = model_ckpt.latest_checkpoint(Path(config.out), sharded.verify_any) if pin else None
     return config if found is None else pinned(config, found)
 
 

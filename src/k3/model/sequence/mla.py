@@ -297,16 +297,8 @@ class GatedMLA(nn.Module):
         B, n, _ = x.shape
         q, c_kv, k_s, gate = self._project(x)
         own = MLACache(c_kv, k_s)
-        head = self.nope_dim + self.v_dim
-
-        def keys_values(cache: MLACache) -> tuple[Tensor, Tensor]:  # [B, H, n, nope + shared], [B, H, n, v]
-            kv = self.kv_b_proj(cache.latent[:, :n]).view(B, n, self.num_heads, head).transpose(1, 2)
-            k_content, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
-            shared = cache.shared_key[:, :n].unsqueeze(1).expand(B, self.num_heads, n, self.shared_dim)
-            return torch.cat([k_content, shared], dim=-1), v
-
-        k_prefix, v_prefix = keys_values(prefix)
-        diagonal = [keys_values(c) for c in [*chain, own]]
+        k_prefix, v_prefix = self._keys_values(prefix.latent[:, :n], prefix.shared_key[:, :n])
+        diagonal = [self._keys_values(c.latent[:, :n], c.shared_key[:, :n]) for c in [*chain, own]]
         causal = torch.arange(n, device=x.device)[None, :] <= torch.arange(n, device=x.device)[:, None]
         scores = torch.cat([(q @ k_prefix.transpose(-1, -2)).masked_fill(~causal, float("-inf")),
                             torch.stack([(q * k).sum(-1) for k, _ in diagonal], dim=-1)], dim=-1) * self.scale
@@ -328,6 +320,14 @@ class GatedMLA(nn.Module):
         q = q.view(B, T, self.num_heads, self.nope_dim + self.shared_dim).transpose(1, 2)
         c_kv, k_s = kv.split([self.kv_lora_rank, self.shared_dim], dim=-1)
         return q, self.kv_a_norm(c_kv), k_s, gate[0] if gate else None
+
+    def _keys_values(self, latent: Tensor, shared_key: Tensor) -> tuple[Tensor, Tensor]:
+        """Per-head keys ``[c_kv W_uk_h ; k_s]`` ``[B, H, L, nope + shared]`` and values ``c_kv W_uv_h``
+        ``[B, H, L, v]`` of the cache entries ``latent`` ``[B, L, r]``, ``shared_key`` ``[B, L, s]``."""
+        B, L, H = latent.shape[0], latent.shape[1], self.num_heads
+        kv = self.kv_b_proj(latent).view(B, L, H, self.nope_dim + self.v_dim).transpose(1, 2)
+        k_content, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
+        return torch.cat([k_content, shared_key.unsqueeze(1).expand(B, H, L, self.shared_dim)], dim=-1), v
 
     def _up_weights(self) -> tuple[Tensor, Tensor]:
         """Views ``W_uk`` ``[H, nope, r]`` and ``W_uv`` ``[H, v, r]`` of ``kv_b_proj.weight`` (no copies)."""
@@ -357,11 +357,8 @@ class GatedMLA(nn.Module):
         ``q`` ``[B, H, T, nope + shared]`` are the last T positions of ``cache``; returns ``[B, T, H, v]``.
         SDPA keeps the softmax in at least fp32 on every backend (half inputs are accumulated in fp32).
         """
-        B, H, T, _ = q.shape
-        L = cache.length
-        kv = self.kv_b_proj(cache.latent).view(B, L, H, self.nope_dim + self.v_dim).transpose(1, 2)
-        k_content, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
-        k = torch.cat([k_content, cache.shared_key.unsqueeze(1).expand(B, H, L, self.shared_dim)], dim=-1)
+        T, L = q.shape[2], cache.length
+        k, v = self._keys_values(cache.latent, cache.shared_key)
         mask = self._mask(T, L, padding, q.device, cache.end)
         if self.record_max_logits:
             self._record_max_logits(q, k, mask)
