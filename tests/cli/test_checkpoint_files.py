@@ -1,7 +1,8 @@
 """Files the CLI reads (issue 35, item 4): ``k3 generate``, ``k3 eval`` and ``k3 serve`` on a checkpoint whose
 config, tokenizer, weights, training files or ``latest`` are a link to ``/dev/zero``, a FIFO or a huge file; whose
 ``latest`` leads out of the run directory; whose manifest was deleted; or whose config describes an absurd model —
-each is a clean error (exit status 2, the file named) at once, nothing hangs and nothing is allocated."""
+each is a clean error (exit status 2, the file named) at once, nothing hangs and nothing is allocated: no tensor
+larger than `LARGEST` is made before the refusal."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from deadline import finishes
 from k3.cli import main
@@ -22,6 +25,22 @@ from training import config
 STEP = "step-0000001"
 LOADERS = ("generate", "serve", "eval")  # eval reads the training files too
 TIMES: list[tuple[str, float]] = []  # each refusal's seconds, printed at the end of the module (pytest -s)
+LARGEST = 2**24  # bytes: the tiny run's largest tensor is far smaller; a crafted config's model is far larger
+
+
+class Allocations(TorchDispatchMode):
+    """The bytes of the largest tensor any operation makes while it is active (in its own thread)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.untyped_storage().nbytes())
+        return out
 
 
 @pytest.fixture(scope="module")
@@ -56,17 +75,22 @@ def argv(command: str, ckpt: Path, *extra: str) -> list[str]:
 
 
 def refused(command: str, ckpt: Path, capsys, *expected: str) -> None:
-    """``k3 COMMAND --ckpt CKPT`` exits 2 in a few seconds at most (milliseconds once the command has built what it
-    builds before reading the file; a shared machine may be slow, but reading 64 GiB takes far longer), its error
-    naming each of ``expected``."""
+    """``k3 COMMAND --ckpt CKPT`` exits 2 without hanging (`finishes`) and without making a tensor larger than
+    `LARGEST`, its error naming each of ``expected``."""
+    allocations = Allocations()
+
+    def call() -> int:
+        with allocations:
+            return main(argv(command, ckpt))
+
     started = time.monotonic()
-    assert finishes(lambda: main(argv(command, ckpt))) == 2
+    assert finishes(call) == 2
     seconds = time.monotonic() - started
     err = capsys.readouterr().err
     assert err.startswith(f"k3 {command}: error: ") and "Traceback" not in err, err
     for text in expected:
         assert text in err, (text, err)
-    assert seconds < 5, f"k3 {command} took {seconds:.2f} s to refuse"
+    assert allocations.largest <= LARGEST, f"k3 {command} made a {allocations.largest:,}-byte tensor before refusing"
     TIMES.append((command, seconds))
 
 
@@ -134,3 +158,27 @@ def test_a_crafted_config_is_refused_before_anything_is_allocated(run, capsys, f
     for command in ("generate", "serve"):
         refused(command, run, capsys, str(path), expected)
     refused("eval", run, capsys, str(path))  # eval compares the checkpoint's config with the run's
+
+
+@pytest.mark.parametrize("command", ["eval", "convert-ckpt"])
+def test_a_crafted_config_in_a_sharded_checkpoint_is_refused_before_its_model_is_built(run, tmp_path, capsys, command):
+    sharded = tmp_path / "sharded" / STEP
+    assert main(["convert-ckpt", "--ckpt", str(run), "--out", str(sharded)]) == 0
+    capsys.readouterr()
+    path = sharded / "config.json"
+    data = json.loads(path.read_text())
+    data["vocab_size"] = 2**22
+    path.write_text(json.dumps(data))
+    (sharded / "checksums.json").unlink()
+    write_manifest(sharded)
+    allocations = Allocations()
+
+    def call() -> int:
+        with allocations:
+            more = ["--batches", "1"] if command == "eval" else ["--out", str(tmp_path / "back")]
+            return main([command, "--ckpt", str(sharded), *more])
+
+    assert finishes(call) == 2
+    err = capsys.readouterr().err
+    assert f"{path}: describes a model of" in err and "cannot hold" in err, err
+    assert allocations.largest <= LARGEST, allocations.largest

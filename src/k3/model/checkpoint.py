@@ -300,7 +300,7 @@ def load_model(path: Path, verify: bool = True) -> tuple[K3ForCausalLM, Tokenize
               f"altered file is not detected", file=sys.stderr)
     config, packed = _read_config(ckpt, verify)
     tokenizer = read_tokenizer(ckpt, verify)
-    _check_size(ckpt, config)  # before anything is allocated
+    check_size(ckpt, config)  # before anything is allocated
     model = skeleton(K3ForCausalLM, config, packed) if packed else K3ForCausalLM(config)
     load_weights(ckpt, model, verify, assign=packed)
     return model.eval(), tokenizer
@@ -336,7 +336,7 @@ def read_tokenizer(ckpt: Path, verify: bool = True) -> Tokenizer:
     return Tokenizer.from_json(text, source=str(path))
 
 
-def _check_size(ckpt: Path, config: K3Config) -> None:
+def check_size(ckpt: Path, config: K3Config) -> None:
     """``model.safetensors`` is a regular file whose size fits ``config``'s parameters
     (`k3.sizing.memory.check_stored`): a crafted config, or a huge file, is refused before anything is allocated or
     hashed."""
@@ -352,7 +352,7 @@ def load_weights(ckpt: Path, model: torch.nn.Module, verify: bool = True, assign
     """Load ``model.safetensors`` strictly; a corrupt, missing, mismatched or non-finite tensor names the
     file and the tensor. ``assign``: the file's tensors (in the model's dtypes) become the model's, as for a
     `k3.model.packed.skeleton` on the meta device."""
-    _check_size(ckpt, model.config)  # before the file is hashed
+    check_size(ckpt, model.config)  # before the file is hashed
     path = verified(ckpt, WEIGHTS, verify)
     try:
         tensors = load_file(str(path))

@@ -487,7 +487,7 @@ def pinned(config: TrainConfig, checkpoint: Path) -> TrainConfig:
     routed experts' MX settings stay the preset's, so that QAT is still switched only by ``--qat``."""
     if config.model is not None:
         return config
-    saved = model_ckpt.read_config(checkpoint)
+    saved = sharded.read_sized_config(checkpoint)  # before the model it describes is built
     return dataclasses.replace(config, model=dataclasses.replace(saved, mx=preset(config.preset).mx).to_dict())
 
 

@@ -31,9 +31,10 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from k3.config import K3Config
 from k3.dist.fsdp import local_rows, local_shard
-from k3.model.checkpoint import (MANIFEST, SHARDED, atomic_directory, latest_checkpoint, read_config, verified,
-                                 write_config, write_manifest, write_model)
+from k3.model.checkpoint import (MANIFEST, SHARDED, atomic_directory, check_size, latest_checkpoint, read_config,
+                                 verified, write_config, write_manifest, write_model)
 from k3.model.lm import K3ForCausalLM
+from k3.sizing.memory import check_stored
 from k3.train import checkpoint as ckpt
 from k3.train.optim import OptimConfig, build_optimizers
 
@@ -53,6 +54,19 @@ def verify_sharded(path: Path) -> None:
         raise ValueError(f"{path / SHARDS}: DCP metadata {METADATA} is missing (an incomplete save)")
     for name in sorted(p.name for p in (path / SHARDS).iterdir() if p.name != MANIFEST):
         verified(path / SHARDS, name)  # every shard file, against dcp/checksums.json
+
+
+def read_sized_config(path: Path) -> K3Config:
+    """The checkpoint's model config, once its stored tensors are known to be able to hold that model
+    (`k3.sizing.memory.check_stored`; a sharded checkpoint's shards hold the optimiser moments too, so only the lower
+    bound applies): a crafted config is refused before its model is built."""
+    config = read_config(path)
+    if not is_sharded(path):
+        check_size(path, config)
+        return config
+    stored = sum(p.lstat().st_size for p in (path / SHARDS).iterdir() if p.is_file() and not p.is_symlink())
+    check_stored(config, stored, str(path / "config.json"), str(path / SHARDS))
+    return config
 
 
 def verify_any(path: Path) -> None:
@@ -184,7 +198,7 @@ def convert(source: Path, out: Path) -> Path:
     if out.exists():
         raise ValueError(f"{out}: already exists; choose a new --out (nothing was written)")
     state, train = ckpt.load_state(source), ckpt.read_train(source)
-    config = read_config(source)
+    config = read_sized_config(source)
     model = K3ForCausalLM(config)
     optimizers = build_optimizers(model, config, OptimConfig(**train.get("optim", {})))
     sharded = is_sharded(source)
