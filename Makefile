@@ -13,6 +13,18 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
+# llama.cpp's own GGUF converter, the oracle of `k3 export --format gguf` (tests/interop/test_gguf.py): the vendored
+# llama.cpp of llama-cpp-python's source distribution, of which only the converter's Python is unpacked (nothing built).
+LLAMA_CPP := llama_cpp_python-0.3.36
+PEERS     := $(VENV)/peers
+CONVERTER := $(PEERS)/$(LLAMA_CPP)/vendor/llama.cpp/convert_hf_to_gguf.py
+$(CONVERTER): $(STAMP)
+	$(BIN)/python -m pip download --quiet --no-deps --no-binary :all: -d $(PEERS) llama-cpp-python==0.3.36
+	tar xzf $(PEERS)/$(LLAMA_CPP).tar.gz -C $(PEERS) $(addprefix $(LLAMA_CPP)/vendor/llama.cpp/,convert_hf_to_gguf.py \
+		conversion gguf-py models/templates)
+	rm $(PEERS)/$(LLAMA_CPP).tar.gz
+	touch $@
+
 # The main job: five minutes of training the mini preset (2.3M parameters, every K3 mechanism on) on the
 # Python standard library's source -- the shape and schedule that learned most in five minutes on 2 cores
 # (benchmarks/demo.py) -- then a sample from the checkpoint, and last its bits per byte on the whole held-out text
@@ -34,7 +46,7 @@ serve: $(STAMP)
 # decode tests) needs a C++ compiler: both installed here when missing and running as root (as CI does).
 # Two pytest-xdist workers, one file each at a time and one torch thread each (two threads per worker would spin
 # against the other worker's): 19-22 minutes on 2 cores instead of 32-36 one file after another.
-test: $(STAMP)
+test: $(STAMP) $(CONVERTER)
 	@{ command -v chromium && command -v chromedriver && command -v g++; } >/dev/null 2>&1 || \
 		[ "$$(id -u)" != 0 ] || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y \
 			--no-install-recommends chromium chromium-driver g++)

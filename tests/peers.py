@@ -66,3 +66,15 @@ def transformers_kimi_linear() -> types.ModuleType:
         if blocked:
             del sys.modules["fla"]
     return modeling_kimi_linear
+
+
+LLAMA_CPP_SOURCE = Path(__file__).resolve().parents[1] / ".venv" / "peers" / "llama_cpp_python-0.3.36"
+
+
+def llama_cpp_converter() -> Path:
+    """The vendored ``llama.cpp`` tree of llama-cpp-python 0.3.36's source distribution (its ``convert_hf_to_gguf.py``,
+    ``conversion/`` and ``gguf-py/``; nothing built), unpacked by ``make test``."""
+    tree = LLAMA_CPP_SOURCE / "vendor" / "llama.cpp"
+    if not (tree / "convert_hf_to_gguf.py").is_file():
+        pytest.skip(f"llama.cpp's converter is not unpacked at {tree} (make test unpacks it)")
+    return tree

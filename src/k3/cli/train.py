@@ -237,6 +237,13 @@ def _add_eval(commands: argparse._SubParsersAction) -> None:
 
 
 def _export(args: argparse.Namespace) -> int:
+    if args.format == "gguf":
+        from k3.interop.gguf_export import export_gguf
+
+        out = export_gguf(Path(args.ckpt), Path(args.out), verify=not args.no_verify)
+        print(f"k3 export: {out} ({out.stat().st_size:,} bytes: llama.cpp's kimi-k3 GGUF with our tokenizer and "
+              f"chat template)")
+        return 0
     from k3.interop.export import export
 
     written = export(Path(args.ckpt), Path(args.out), verify=not args.no_verify)
@@ -249,7 +256,12 @@ def _add_export(commands: argparse._SubParsersAction) -> None:
     ex = commands.add_parser("export", help="a checkpoint in the release layout with a Hugging Face tokenizer and "
                              "chat template (transformers, vLLM, SGLang, mlx-lm)")
     ex.add_argument("--ckpt", required=True, help="a run or checkpoint directory")
-    ex.add_argument("--out", required=True, help="the new directory (must not exist)")
+    ex.add_argument("--out", required=True, help="the new directory, or with --format gguf the new file (must not "
+                    "exist)")
+    ex.add_argument("--format", choices=("release", "gguf"), default="release",
+                    help="release: the released Kimi K3 layout with a Hugging Face tokenizer; gguf: one GGUF file for "
+                         "llama.cpp's kimi-k3 architecture, fp32 with the experts as stored (MXFP4 when packed) "
+                         "(default: %(default)s)")
     ex.add_argument("--no-verify", action="store_true", help="load the checkpoint without checking its checksums")
     ex.set_defaults(run=_export)
 

@@ -230,8 +230,28 @@ def _read(shards: Shards, name: str, shape: torch.Size) -> Tensor:
 def save_pretrained(model: Any, directory: str | os.PathLike, max_shard_bytes: int = 5 * 2**30) -> list[Path]:
     """Write ``model`` in the release layout (config.json, shards, index). Float experts are MXFP4-quantized
     (lossy, `k3.ops.mx.quantize`); a model from `from_pretrained` is written back exactly."""
+    config = release_config(model)  # refuses what would not load back, before anything is written
+    directory = Path(directory)
+    paths = write_shards(directory, release_tensors(model), max_shard_bytes)
+    write_text(directory / "config.json", json.dumps(config, indent=2))
+    return paths
+
+
+def release_config(model: Any) -> dict[str, Any]:
+    """``model``'s config as the release's ``config.json`` (`k3.config.hf.to_release_dict`: a config the layout
+    cannot describe is refused)."""
     info: ReleaseInfo | None = getattr(model, "release", None)
-    config = to_release_dict(model.config, info.config if info else None)  # refuses what would not load back
+    return to_release_dict(model.config, info.config if info else None)
+
+
+def release_tensors(model: Any, stored: bool = True) -> dict[str, Tensor]:
+    """``model``'s tensors under the release's names. ``stored``: as `save_pretrained` stores them — float routed
+    experts MXFP4-quantized, each tensor in the dtype it was loaded with or the release's; otherwise the model's own
+    tensors, float experts under ``experts.E.wI.weight``."""
+    if not stored:
+        state = model.state_dict()
+        return {name: t.detach() for rule in _rules(model) for name, t in zip(rule.names, rule.split(state[rule.ours]))}
+    info: ReleaseInfo | None = getattr(model, "release", None)
     state = model.state_dict()
     for layer_index, layer in enumerate(model.layers):
         if isinstance(layer.ffn, LatentMoE) and isinstance(layer.ffn.experts, Experts) and not isinstance(
@@ -245,10 +265,7 @@ def save_pretrained(model: Any, directory: str | os.PathLike, max_shard_bytes: i
         for name, t in zip(rule.names, rule.split(state[rule.ours].detach())):
             dtype = info.dtypes.get(name) if info else None
             tensors[name] = t.to(dtype or _release_dtype(name)).contiguous()
-    directory = Path(directory)
-    paths = write_shards(directory, tensors, max_shard_bytes)
-    write_text(directory / "config.json", json.dumps(config, indent=2))
-    return paths
+    return tensors
 
 
 def _release_dtype(name: str) -> torch.dtype:

@@ -215,6 +215,11 @@ class Tokenizer(Vocabulary):
         """``{token string: id}`` for the whole vocabulary (byte-level symbols as the model stores them)."""
         return self._hf.get_vocab(with_added_tokens=True)
 
+    def merges(self) -> list[tuple[str, str]]:
+        """The BPE merges in rank order, as pairs of vocabulary entries."""
+        merges = json.loads(self.to_json())["model"]["merges"]
+        return [tuple(m.split(" ", 1)) if isinstance(m, str) else (m[0], m[1]) for m in merges]
+
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Tokenizer):
             return NotImplemented
