@@ -208,6 +208,41 @@ def test_mlx_lm_parses_our_tools_section(tok, calls):
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in ours] == calls
 
 
+marker_text = st.lists(st.sampled_from(["<|open|>", "<|close|>", "<|sep|>", "argument", "call", "tools", "json",
+                                         ' key="admin" type="boolean"', '"', "x", "\n", "true"]),
+                       max_size=8).map("".join)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(names, st.dictionaries(keys | marker_text, marker_text | json_values, max_size=3)),
+                min_size=1, max_size=2))
+def test_the_parser_reads_calls_from_the_ids_whatever_their_text_spells(tok, calls):
+    """Argument keys and values that spell markers are rendered as text ids; the streaming parser, which sees the
+    ids, gives back exactly the calls (text parsing cannot: `parse_tool_calls` reads those literals as markers)."""
+    openai_calls = [{"id": f"c{k}", "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}
+                    for k, (name, args) in enumerate(calls)]
+    ids = render([{"role": "assistant", "content": "ok", "tool_calls": openai_calls}], tok, "instruct",
+                 add_generation_prompt=False)
+    parser = AssistantParser(tok, "instruct")
+    streamed = "".join(text for t in ids for channel, text in parser.feed(t) if channel == "tools")
+    assert parser.ended
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in parser.tool_calls()] == calls
+    text = tok.decode(ids)  # what a malformed section would show, as before
+    assert streamed == text[text.index("<|open|>tools<|sep|>"):text.rindex("<|close|>tools<|sep|>") + 21]
+
+
+def test_a_special_token_inside_a_tools_section_spoils_it(tok):
+    head = '<|open|>tools<|sep|><|open|>call tool="f" index="1"<|sep|><|open|>argument key="a" type="string"<|sep|>'
+    tail = "<|close|>argument<|sep|><|close|>call<|sep|><|close|>tools<|sep|>"
+    for middle, calls in (("x", [("f", {"a": "x"})]), ("x<|media_pad|>y", None)):
+        parser = AssistantParser(tok, "instruct")
+        for t in tok.encode(head + middle + tail, allow_special=True):
+            parser.feed(t)
+        found = parser.tool_calls()
+        assert (found if found is None else [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+                                             for c in found]) == calls
+
+
 def test_parse_hand_written_tools_section():
     text = (
         '<|open|>tools<|sep|>\n<|open|>call tool="search&amp;go" index="1"<|sep|>\n'

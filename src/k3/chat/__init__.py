@@ -28,6 +28,9 @@ class Parser(Protocol):
 
     def flush(self) -> list[tuple[str, str]]: ...
 
+    def tool_calls(self) -> list[dict] | None:
+        """The tools channel read so far, parsed from the ids as OpenAI tool calls (None: none, or malformed)."""
+
 
 class ChatFormat(Protocol):
     """What a chat format module offers (`k3.chat.native`, `k3.chat.xtml`)."""

@@ -247,6 +247,7 @@ class AssistantParser:
     content (instruct). ``<|think|>``/``<|response|>``/``<|tools|>`` switch channel, ``<|end|>``/``<|eos|>`` end the
     message (``ended``; later ids are ignored), other special tokens are dropped, except in the tools channel, which
     writes them as their literals (a section holding one is malformed: it stays text, see the module's fallback).
+    `tool_calls` parses the tools channel from the ids.
     """
 
     def __init__(self, tokenizer: Tokenizer, mode: str = "thinking") -> None:
@@ -255,6 +256,13 @@ class AssistantParser:
         self.channel = "reasoning" if mode == "thinking" else "content"
         self.ended = False
         self._detok = IncrementalDetokenizer(tokenizer)
+        self._tools: list[str] = []  # the tools channel's text
+        self._stray = False  # a special token inside the tools channel: the section is malformed
+
+    def tool_calls(self) -> list[dict] | None:
+        """The tools channel read so far as OpenAI tool calls; ``None`` when there is none or it is malformed (not
+        valid tool-call JSON, or holding a special token: its literal inside a JSON string would read as text)."""
+        return None if self._stray or not self._tools else parse_tool_calls("".join(self._tools))
 
     def feed(self, token_id: int) -> list[tuple[str, str]]:
         t = int(token_id)
@@ -268,7 +276,10 @@ class AssistantParser:
             self.ended = True
             return self.flush()
         if t < NUM_SPECIAL_TOKENS:  # stray markup: dropped, but kept as its literal where it spoils a tools section
-            return self.flush() + self._delta(SPECIAL_TOKENS[t]) if self.channel == "tools" else []
+            if self.channel != "tools":
+                return []
+            self._stray = True
+            return self.flush() + self._delta(SPECIAL_TOKENS[t])
         return self._delta(self._detok.push(t))
 
     def flush(self) -> list[tuple[str, str]]:
@@ -276,4 +287,6 @@ class AssistantParser:
         return self._delta(self._detok.flush())
 
     def _delta(self, text: str) -> list[tuple[str, str]]:
+        if self.channel == "tools" and text:
+            self._tools.append(text)
         return [(self.channel, text)] if text else []

@@ -29,9 +29,10 @@ of its ``type``, a ``json`` block that is not an object, markup other than ``cal
 :func:`parse_tool_calls` gives ``None`` and the chat route puts the section's raw text (the tools channel as
 `AssistantParser` streamed it, its markers written as literals) at the end of ``content``, with no ``tool_calls`` —
 never an empty call list with the text dropped. The section is not streamed as content while it is generated: whether
-it is calls is known only when it ends. Text parsing cannot tell a marker's literal inside an argument (text that
-spells ``<|close|>argument<|sep|>``) from the marker, as with the release's own parsers: such a section parses as the
-text reads.
+it is calls is known only when it ends. The chat route parses the section from the ids (`AssistantParser.tool_calls`):
+a marker is a marker only where the model emitted its special token, so text that spells ``<|close|>argument<|sep|>``
+inside an argument stays that argument's text; a stray special token inside the section makes it malformed. Parsing
+text (:func:`parse_tool_calls`, and the release's own parsers) cannot tell such text from the markers.
 """
 
 from __future__ import annotations
@@ -85,9 +86,13 @@ _RAW_JSON = ("The system is invoked with `response_format={}`.\nYour response mu
 _EFFORT = ("`thinking_effort` guides on how much to think in your thinking channel (not including the response "
            "channel), supported values include `low`, `medium`, `high`, and `max`.\nNow the system is invoked with "
            "`thinking_effort={}`.")
-_WRAP = ("<|open|>tools<|sep|>", "<|close|>tools<|sep|>")
-_CALL = re.compile(r"\s*<\|open\|>call((?:(?!<\|sep\|>).)*)<\|sep\|>(.*?)<\|close\|>call<\|sep\|>", re.S)
-_ARG = re.compile(r"\s*<\|open\|>(argument|json)((?:(?!<\|sep\|>).)*)<\|sep\|>(.*?)<\|close\|>\1<\|sep\|>", re.S)
+# A tools section is parsed in its *form*: each marker one lone surrogate (`_FORM`), which no decoded text holds, so
+# text never reads as a marker; `_STRAY` stands for any other special token, which spoils the section.
+_FORM = {OPEN: "\ud800", CLOSE: "\ud801", SEP: "\ud802"}
+_STRAY = "\ud803"
+_WRAP = ("\ud800tools\ud802", "\ud801tools\ud802")
+_CALL = re.compile("\\s*\ud800call([^\ud802]*)\ud802(.*?)\ud801call\ud802", re.S)
+_ARG = re.compile("\\s*\ud800(argument|json)([^\ud802]*)\ud802(.*?)\ud801\\1\ud802", re.S)
 _ATTR = re.compile(r' (\w+)="([^"]*)"')
 
 
@@ -366,12 +371,24 @@ def _arguments(body: str) -> dict | None:
 
 
 def parse_tool_calls(text: str) -> list[dict] | None:
-    """A tools section (``call`` blocks, with both ``tools`` tags or neither) -> OpenAI tool_calls.
+    """A tools section's text (``call`` blocks, with both ``tools`` tags or neither, markers as their literals) ->
+    OpenAI tool_calls, every marker literal read as a marker (`AssistantParser.tool_calls` reads the ids instead).
 
     ``None`` unless the text is well-formed calls only: not for a section cut off by the token limit (one ``tools``
     tag alone), an unclosed tag, an invalid argument, other markup, or no call at all.
     """
-    body = text.strip()
+    if SURROGATE.search(text):
+        return None
+    for marker, char in _FORM.items():
+        text = text.replace(f"<|{marker}|>", char)
+    return _parse_form(text)
+
+
+def _parse_form(form: str) -> list[dict] | None:
+    """`parse_tool_calls` of a section's form (`_FORM`)."""
+    if _STRAY in form:
+        return None
+    body = form.strip()
     wrapped = body.startswith(_WRAP[0]), body.endswith(_WRAP[1])
     if wrapped[0] != wrapped[1]:
         return None
@@ -391,9 +408,10 @@ class AssistantParser:
     Generation starts in ``"reasoning"`` (thinking) or ``"content"`` (instruct). A tag (``<|open|>`` or ``<|close|>``
     up to ``<|sep|>``) is held back until complete: opening ``think``/``response``/``tools`` switches to the
     reasoning/content/tools channel, any other tag leaves text unrouted until the next one. The tools section (opened
-    by ``tools``, or by a ``call`` that lacks it) goes to ``"tools"`` verbatim, its markers as literals (input for
-    :func:`parse_tool_calls`), until ``tools`` closes (included) or the message does (not included); other marker
-    text is never emitted. ``<|end_of_msg|>`` or eos ends the message (``ended``; later ids are ignored).
+    by ``tools``, or by a ``call`` that lacks it) goes to ``"tools"`` verbatim, its markers as literals (the text
+    shown when it does not parse), until ``tools`` closes (included) or the message does (not included); other marker
+    text is never emitted. `tool_calls` parses the section from the ids. ``<|end_of_msg|>`` or eos ends the message
+    (``ended``; later ids are ignored).
     """
 
     def __init__(self, tokenizer: Any, mode: str = "thinking") -> None:
@@ -406,6 +424,12 @@ class AssistantParser:
         self._special = set(tokenizer.special_ids.values())
         self._tag: list[int] | None = None  # ids of the tag being read
         self._detok = IncrementalDetokenizer(tokenizer)
+        self._form: list[str] = []  # the tools section's form (`_FORM`), built from the ids
+
+    def tool_calls(self) -> list[dict] | None:
+        """The tools section read so far as OpenAI tool calls, markers taken only from marker ids; ``None`` when
+        there is none or it is malformed (`parse_tool_calls`)."""
+        return _parse_form("".join(self._form)) if self._form else None
 
     def feed(self, token_id: int) -> list[tuple[str, str]]:
         t = int(token_id)
@@ -421,7 +445,7 @@ class AssistantParser:
             self._tag = [t]
             return self._drain()
         if t in self._special:
-            return self._drain() + self._emit(self.tokenizer.decode([t])) if self.channel == "tools" else []
+            return self._drain() + self._emit(self.tokenizer.decode([t]), _STRAY) if self.channel == "tools" else []
         return self._emit(self._detok.push(t))
 
     def flush(self) -> list[tuple[str, str]]:
@@ -429,28 +453,34 @@ class AssistantParser:
         section, an unfinished tag."""
         out = self._drain()
         if self._tag is not None and self.channel == "tools":
-            out += self._emit(self.tokenizer.decode(self._tag))
+            out += self._emit(self.tokenizer.decode(self._tag), _STRAY)
         self._tag = None
         return out
 
     def _end_tag(self) -> list[tuple[str, str]]:
         ids, self._tag = self._tag, None
         opening, name = ids[0] == self._open, self.tokenizer.decode(ids[1:-1]).split(" ", 1)[0]
+        inner = ids[1:-1]
+        form = _STRAY if self._special.intersection(inner) else (
+            _FORM[OPEN if opening else CLOSE] + self.tokenizer.decode(inner) + _FORM[SEP])
         if self.channel == "tools":
             if not opening and name == "message":  # the turn ends a section left open (which then does not parse)
                 self.channel = None
                 return []
-            out = self._emit(self.tokenizer.decode(ids))
+            out = self._emit(self.tokenizer.decode(ids), form)
             if not opening and name == "tools":
                 self.channel = None
             return out
         self.channel = _CHANNELS.get(name) if opening else None
-        return self._emit(self.tokenizer.decode(ids)) if self.channel == "tools" else []
+        return self._emit(self.tokenizer.decode(ids), form) if self.channel == "tools" else []
 
     def _drain(self) -> list[tuple[str, str]]:
         out = self._emit(self._detok.flush())
         self._detok = IncrementalDetokenizer(self.tokenizer)
         return out
 
-    def _emit(self, text: str) -> list[tuple[str, str]]:
+    def _emit(self, text: str, form: str | None = None) -> list[tuple[str, str]]:
+        """``text`` on the current channel; in the tools section, ``form`` (else the text itself) joins its form."""
+        if self.channel == "tools" and text:
+            self._form.append(text if form is None else form)
         return [(self.channel, text)] if text and self.channel else []

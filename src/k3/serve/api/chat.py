@@ -26,7 +26,7 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from k3.serve.engine import Output
-from k3.chat import chat_format, shared_head
+from k3.chat import Parser, chat_format, shared_head
 from k3.chat.messages import parse_json
 from k3.serve.api.serving import Reply, Route, json_response, logprob_entries, offload
 from k3.serve.api.jobs import Jobs, error_of
@@ -73,8 +73,9 @@ class ChatCompletions(Route):
         grammar = forced or ("guided_json" if body.guided_json is not None else "response_format")
         constraint = await s.constraint(schema, stop_ids, grammar) if structured else None
         try:  # the engine checks that the prompt holds the images' slots
-            run = s.submit([(prompt, params, fmt.AssistantParser(self.tokenizer, mode)) for params in body.sampling(
-                max_tokens, stop_ids, top, self.tokenizer.vocab_size, constraint)],
+            choices = body.sampling(max_tokens, stop_ids, top, self.tokenizer.vocab_size, constraint)
+            parsers = [fmt.AssistantParser(self.tokenizer, mode) for _ in choices]
+            run = s.submit([(prompt, params, parser) for params, parser in zip(choices, parsers)],
                 images=images.inputs if images is not None and images.inputs else None, marks=(head,) if head else ())
         except APIError as err:
             if err.param != "prompt" or len(prompt) == rendered:
@@ -82,8 +83,7 @@ class ChatCompletions(Route):
             raise APIError(400, f"truncate_prompt_tokens: truncation would cut into an image's slots ({err.message})",
                            param="truncate_prompt_tokens") from err
         separate = body.separate_reasoning if body.separate_reasoning is not None else s.separate_reasoning
-        reply = _Reply(s.model_name, body, mode, self.tokenizer.decode, len(prompt), fmt.parse_tool_calls, separate,
-                       forced)
+        reply = _Reply(s.model_name, body, mode, self.tokenizer.decode, len(prompt), parsers, separate, forced)
         reply.grammar = grammar if structured else None
         if body.stream:
             return StreamingResponse(reply.stream(run), media_type="text/event-stream")
@@ -141,17 +141,18 @@ class _Reply(Reply):
     OBJECT, PREFIX = "chat.completion.chunk", "chatcmpl"
 
     def __init__(self, model_name: str, body: ChatBody, mode: str, decode: Callable[[list[int]], str],
-                 prompt_tokens: int, parse_tool_calls: Callable[[str], list[dict] | None], separate: bool,
-                 forced: str | None) -> None:
+                 prompt_tokens: int, parsers: list[Parser], separate: bool, forced: str | None) -> None:
         super().__init__(model_name, body, body.n, prompt_tokens)
-        self.mode, self.decode, self.parse_tool_calls = mode, decode, parse_tool_calls
+        self.mode, self.decode, self.parsers = mode, decode, parsers
         self.separate, self.forced = separate, forced
         self.tool_text = [""] * body.n  # the tools channel per choice (a forced call: the answer), sent at the end
         self.thinking = [False] * body.n  # inside an inline <think> block (separate_reasoning false)
 
-    def _tool_calls(self, tool_text: str, finish_reason: str | None) -> tuple[list[dict] | None, str | None]:
-        """The tools channel parsed to OpenAI tool calls (finish reason "tool_calls"), or None (kept as content)."""
-        calls = (self._forced_calls(tool_text) if self.forced else self.parse_tool_calls(tool_text)) \
+    def _tool_calls(self, index: int, finish_reason: str | None) -> tuple[list[dict] | None, str | None]:
+        """Choice ``index``'s tools channel as OpenAI tool calls (finish reason "tool_calls"; parsed from the ids by
+        its parser, or a forced call's JSON answer), or None (its text is kept as content)."""
+        tool_text = self.tool_text[index]
+        calls = (self._forced_calls(tool_text) if self.forced else self.parsers[index].tool_calls()) \
             if tool_text else None
         if calls and not self.body.parallel_tool_calls:
             calls = calls[:1]
@@ -212,7 +213,7 @@ class _Reply(Reply):
             events.append(sse(self.chunk([{"index": index, "delta": {}, "logprobs": self.logprobs(output),
                                            "finish_reason": None}])))
         if output.finish_reason is not None:
-            calls, reason = self._tool_calls(self.tool_text[index], output.finish_reason)
+            calls, reason = self._tool_calls(index, output.finish_reason)
             delta = ({"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]} if calls
                      else {"content": self.tool_text[index]} if self.tool_text[index] else {})
             events.append(sse(self.chunk([{"index": index, "delta": delta, "logprobs": None,
@@ -243,7 +244,7 @@ class _Reply(Reply):
             await offload(self.heavy(i, output), add, i, output)
         choices = []
         for i, p in enumerate(parts):
-            calls, reason = self._tool_calls(self.tool_text[i], finish[i])
+            calls, reason = self._tool_calls(i, finish[i])
             message = {"role": "assistant", "content": p["content"] + (self.tool_text[i] if calls is None else ""),
                        "reasoning_content": p["reasoning_content"] if self.mode == "thinking" and self.separate
                        else None, "tool_calls": calls}

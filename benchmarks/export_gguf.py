@@ -15,7 +15,7 @@ the packed rows compare W4A8 against our W4A32: agreement there is expected to b
 rows: texts (code, prose, Unicode, runs of whitespace, digits, a rendered chat with its special tokens) tokenized by
 llama.cpp with special tokens parsed against ``Tokenizer.encode(..., allow_special=True)``, and decoded back.
 
-    python benchmarks/gguf.py          # ~5 min once llama-cpp-python is built
+    python benchmarks/export_gguf.py          # ~5 min once llama-cpp-python is built
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def models(work: Path, steps: int) -> dict[str, Path]:
 def peer(gguf: Path, request: dict, work: Path) -> dict:
     path = work / "request.json"
     path.write_text(json.dumps(request))
-    done = subprocess.run([sys.executable, str(Path(__file__).with_name("gguf_peer.py")), str(gguf), str(path)],
+    done = subprocess.run([sys.executable, str(Path(__file__).with_name("export_gguf_peer.py")), str(gguf), str(path)],
                           capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
         raise RuntimeError(f"llama.cpp on {gguf}: {(done.stderr or done.stdout)[-2000:]}")
@@ -115,7 +115,7 @@ def compare(name: str, ckpt: Path, work: Path, args: argparse.Namespace) -> tupl
     row = {"model": name, "bytes": gguf.stat().st_size, "agree": f"{sum(agree)}/{len(agree) * args.tokens}",
            "identical_prompts": f"{sum(f is None for f in first)}/{len(first)}",
            "first_disagreement": [f for f in first if f is not None], "logits_rel_max_diff": max(diffs),
-           "sample": tokenizer.decode(mine[0])}
+           "sample": tokenizer.decode([t for t in mine[0] if t < tokenizer.vocab_size])}  # random: padding ids
     tokens = [{"model": name, "text": text[:40], "ids_equal": t["ids"] == tokenizer.encode(text, allow_special=True),
                "decoded_equal": t["text"] == text} for text, t in zip(sample, theirs["tokenized"])]
     return row, tokens

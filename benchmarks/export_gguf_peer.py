@@ -1,7 +1,7 @@
-"""llama.cpp's side of `benchmarks/gguf.py`, run in its own process (no torch here: ggml's OpenMP runtime is the
+"""llama.cpp's side of `benchmarks/export_gguf.py`, run in its own process (no torch here: ggml's OpenMP runtime is the
 only one, and a crash of the peer loses one file's rows).
 
-    python benchmarks/gguf_peer.py MODEL.gguf REQUEST.json    # prints one JSON line
+    python benchmarks/export_gguf_peer.py MODEL.gguf REQUEST.json    # prints one JSON line
 
 REQUEST holds ``prompts`` (lists of ids), ``steps`` and ``texts``. The answer holds, per prompt, llama.cpp's greedy
 continuation of ``steps`` ids and its next-token logits after the prompt; per text, the ids llama.cpp's tokenizer
