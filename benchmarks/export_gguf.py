@@ -37,6 +37,7 @@ from k3.chat.native import render_text  # noqa: E402
 from k3.cli import main as k3  # noqa: E402
 from k3.model.checkpoint import load_model, save_model  # noqa: E402
 from k3.model.lm import K3ForCausalLM  # noqa: E402
+from k3.model.packed import PackedExperts  # noqa: E402
 from k3.config import preset  # noqa: E402
 from k3.train.data import stdlib_documents  # noqa: E402
 
@@ -99,6 +100,31 @@ def ours(model: K3ForCausalLM, prompts: list[list[int]], steps: int) -> tuple[li
     return continuations, first
 
 
+def q8_0(x: torch.Tensor) -> torch.Tensor:
+    """ggml's ``q8_0`` rounding of a matmul input, as its CPU MXFP4 product takes it: blocks of 32 along the last
+    axis, ``d = max|x| / 127``, codes ``round(x / d)``, the scale kept in fp16."""
+    blocks = x.reshape(*x.shape[:-1], -1, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    codes = torch.round(blocks * torch.where(d > 0, 1 / d, torch.zeros_like(d)))
+    return (codes * d.to(torch.float16).to(x.dtype)).reshape(x.shape)
+
+
+def with_w4a8(model: K3ForCausalLM) -> K3ForCausalLM:
+    """``model`` with every packed expert's inputs rounded as `q8_0` (what llama.cpp computes)."""
+    for module in model.modules():
+        if isinstance(module, PackedExperts):
+            module._input = q8_0  # the inputs `Experts._input` would MX-quantize
+    return model
+
+
+def agreement(mine: list[list[int]], theirs: list[list[int]]) -> tuple[str, str, list[int]]:
+    """Greedy tokens equal (of all), prompts whose continuations are identical, and the first disagreements."""
+    first = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None) for x, y in zip(mine, theirs)]
+    equal = sum(a == b for x, y in zip(mine, theirs) for a, b in zip(x, y))
+    return (f"{equal}/{sum(len(x) for x in mine)}", f"{sum(f is None for f in first)}/{len(first)}",
+            [f for f in first if f is not None])
+
+
 def compare(name: str, ckpt: Path, work: Path, args: argparse.Namespace) -> tuple[dict, list[dict]]:
     gguf = work / f"{name.replace(' ', '-')}.gguf"
     assert k3(["export", "--ckpt", str(ckpt), "--format", "gguf", "--out", str(gguf)]) == 0
@@ -107,16 +133,17 @@ def compare(name: str, ckpt: Path, work: Path, args: argparse.Namespace) -> tupl
     prompts = [tokenizer.encode(held_out[i * 300: i * 300 + 120])[:24] for i in range(args.prompts)]
     sample = texts(tokenizer)
     theirs = peer(gguf, {"prompts": prompts, "steps": args.tokens, "texts": sample}, work)
-    mine, logits = ours(model, prompts, args.tokens)
-    agree = [sum(a == b for a, b in zip(x, y)) for x, y in zip(mine, theirs["greedy"])]
-    first = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None) for x, y in zip(mine, theirs["greedy"])]
-    diffs = [float((torch.tensor(t, dtype=torch.float64) - m).abs().max() / m.abs().max())
-             for t, m in zip(theirs["prompt_logits"], logits)]
-    row = {"model": name, "bytes": gguf.stat().st_size, "agree": f"{sum(agree)}/{len(agree) * args.tokens}",
-           "identical_prompts": f"{sum(f is None for f in first)}/{len(first)}",
-           "first_disagreement": [f for f in first if f is not None], "logits_rel_max_diff": max(diffs),
-           "sample": tokenizer.decode([t for t in mine[0] if t < tokenizer.vocab_size])}  # random: padding ids
-    tokens = [{"model": name, "text": text[:40], "ids_equal": t["ids"] == tokenizer.encode(text, allow_special=True),
+    row = {"model": name, "bytes": gguf.stat().st_size}
+    for inputs in ("fp32", "q8_0") if model.config.mx.enabled else ("fp32",):
+        mine, logits = ours(with_w4a8(model) if inputs == "q8_0" else model, prompts, args.tokens)
+        agree, identical, first = agreement(mine, theirs["greedy"])
+        diff = max(float((torch.tensor(t, dtype=torch.float64) - m).abs().max() / m.abs().max())
+                   for t, m in zip(theirs["prompt_logits"], logits))
+        row |= {f"agree_{inputs}": agree, f"identical_{inputs}": identical, f"first_disagreement_{inputs}": first,
+                f"logits_rel_max_diff_{inputs}": diff}
+        if inputs == "fp32":  # a random model's greedy text holds padding ids past the tokenizer
+            row["sample"] = tokenizer.decode([t for t in mine[0] if t < tokenizer.vocab_size])
+    tokens = [{"model": name, "text": repr(text[:32]), "ids_equal": t["ids"] == tokenizer.encode(text, allow_special=True),
                "decoded_equal": t["text"] == text} for text, t in zip(sample, theirs["tokenized"])]
     return row, tokens
 
@@ -137,8 +164,10 @@ def main() -> None:
             rows.append(row)
             tokens += toks
             print(row, flush=True)
-    print(table(rows, [("model", "model"), ("bytes", "GGUF bytes"), ("agree", "greedy tokens equal"),
-                       ("identical_prompts", "prompts identical"), ("logits_rel_max_diff", "logits max |Δ| / max")]))
+    print(table(rows, [("model", "model"), ("bytes", "GGUF bytes"), ("agree_fp32", "greedy equal (ours fp32)"),
+                       ("identical_fp32", "prompts identical"), ("logits_rel_max_diff_fp32", "logits max |Δ| / max"),
+                       ("agree_q8_0", "greedy equal (ours W4A8)"), ("identical_q8_0", "prompts identical"),
+                       ("logits_rel_max_diff_q8_0", "logits max |Δ| / max")]))
     print(table(tokens, [("model", "model"), ("text", "text"), ("ids_equal", "ids equal"),
                          ("decoded_equal", "decodes back")]))
     path = write_results("gguf", {"machine": machine(), "llama_cpp_python": "0.3.36", "rows": rows,
