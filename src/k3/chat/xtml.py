@@ -459,10 +459,10 @@ class AssistantParser:
 
     def _end_tag(self) -> list[tuple[str, str]]:
         ids, self._tag = self._tag, None
-        opening, name = ids[0] == self._open, self.tokenizer.decode(ids[1:-1]).split(" ", 1)[0]
-        inner = ids[1:-1]
-        form = _STRAY if self._special.intersection(inner) else (
-            _FORM[OPEN if opening else CLOSE] + self.tokenizer.decode(inner) + _FORM[SEP])
+        opening, inner = ids[0] == self._open, self.tokenizer.decode(ids[1:-1])
+        name = inner.split(" ", 1)[0]
+        form = _STRAY if self._special.intersection(ids[1:-1]) else (
+            _FORM[OPEN if opening else CLOSE] + inner + _FORM[SEP])
         if self.channel == "tools":
             if not opening and name == "message":  # the turn ends a section left open (which then does not parse)
                 self.channel = None
