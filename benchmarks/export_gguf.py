@@ -143,8 +143,9 @@ def compare(name: str, ckpt: Path, work: Path, args: argparse.Namespace) -> tupl
                 f"logits_rel_max_diff_{inputs}": diff}
         if inputs == "fp32":  # a random model's greedy text holds padding ids past the tokenizer
             row["sample"] = tokenizer.decode([t for t in mine[0] if t < tokenizer.vocab_size])
-    tokens = [{"model": name, "text": repr(text[:32]), "ids_equal": t["ids"] == tokenizer.encode(text, allow_special=True),
-               "decoded_equal": t["text"] == text} for text, t in zip(sample, theirs["tokenized"])]
+    tokens = [{"model": name, "text": repr(text[:32]),
+               "ids_equal": t["ids"] == tokenizer.encode(text, allow_special=True), "decoded_equal": t["text"] == text}
+              for text, t in zip(sample, theirs["tokenized"])]
     return row, tokens
 
 
