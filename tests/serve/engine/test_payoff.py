@@ -69,6 +69,19 @@ def test_paused_requests_probe_in_the_same_steps():
     assert probes["a"] == probes["b"] == probes["c"] == [8, 16, 32]  # pauses of 8, 16, 32
 
 
+def test_a_new_request_starts_from_the_pause_the_last_losing_probe_reached_until_a_probe_wins():
+    lengths = DraftLength(gamma=4, cost=0.1, prior=0.0, pause=4, max_pause=64)
+    for _ in range(3):
+        lengths.update("a", 4, 0)  # losses: pauses of 4, 8, 16
+    assert lengths.population_pause == 16
+    assert steps(lengths, "b", 16) == [0] * 15 + [4]  # b probes once in its first 16 steps, not at step 4 and 8
+    lengths.update("b", 4, 0)
+    assert lengths.population_pause == 32  # b's own pause doubled from the population's
+    for _ in range(3):
+        lengths.update("c", 4, 4)  # c's runs win: the population's pause is gone
+    assert lengths.population_pause == 0 and lengths.length("d") == 4
+
+
 def test_recovering_acceptance_drafts_again():
     lengths = DraftLength(gamma=4, cost=0.1, prior=0.0, pause=2)
     lengths.update("r", 4, 0)
@@ -88,7 +101,8 @@ def test_a_new_request_starts_from_the_acceptance_of_the_requests_before_it():
     lengths.end("lost")
     # accepted 2.4·0.95²⁰ = 0.8604; examined 4·0.95²⁰ + (1 − 0.95²⁰)/0.05 = 1.4340 + 12.8302
     assert lengths.acceptance("new") == pytest.approx(0.8604 / 14.2642, abs=1e-4)
-    assert steps(lengths, "new", 4) == [0, 0, 0, 4]  # paused from its first step; its probe at step 4
+    # paused from its first step, as long as the last losing probe's pause (4, doubled per loss up to 256): one probe
+    assert steps(lengths, "new", 256) == [0] * 255 + [4]
     for _ in range(40):
         lengths.update("won", 4, 4)
     assert lengths.acceptance("fresh") > 0.97

@@ -11,8 +11,11 @@ starting from the α of the requests before it — and picks the γ ≤ ``gamma`
 compiled graphs every run is ``gamma + 1`` wide (``padded``): any γ > 0 then costs 1 + f + c·``gamma``, so a request
 drafts ``gamma`` or nothing. When no γ > 0 beats plain decoding (E/C ≤ 1) the request decodes plainly until the next
 multiple of ``pause`` engine steps, then probes with ``gamma`` drafts (a run as long as drafting would make: its price
-is what the probe must show); the pause doubles while probes keep losing (up to ``max_pause``). Ending pauses at
-multiples of their length lines the probes of a batch up in the same steps. A probe that drafted nothing (an n-gram
+is what the probe must show); the pause doubles while probes keep losing (up to ``max_pause``), and a new request
+starts from the pause the last losing probe reached (a probe that wins resets it): short requests then do not each pay
+for the probes that taught the requests before them the same (stop 57, compiled `mini`, EAGLE at batch 1: two losing
+probes per 64-token answer cost adaptive decoding a tenth of plain decoding's speed). Ending pauses at multiples of
+their length lines the probes of a batch up in the same steps. A probe that drafted nothing (an n-gram
 drafter found no match) pauses again for as long, so a request is never left without probes. A drafter whose proposals
 cost nothing (the n-gram's lookup) keeps proposing for a paused request, and the target's own next token tells whether
 the proposal's first token would have been accepted (`DraftLength.shadow`): evidence without a verification, which ends
@@ -67,12 +70,13 @@ class _Record:
 class DraftLength:
     """Per-request draft lengths (module docstring). A new request's α starts from the *population's*: every
     verified run of every request, each run's counts decayed by ``population_decay`` (``prior`` before any run), worth
-    ``prior_weight`` drafts, decayed with the request's own runs. Requests are short beside what a handful of runs can
-    tell (a 64-token answer holds ~20 runs): a request that started from a fixed guess spent its first runs relearning
-    what the requests before it had shown, and a few unlucky early runs paused it for the rest of its answer (stop 54:
-    adaptive EAGLE rows at 0.93× where drafting always ran at 1.08–1.28×). `tick` counts engine steps: a pause ends at
-    a multiple of its length, so requests paused alike probe in the same step and share its one verification group (a
-    lone probe in a batch costs that batch a whole group)."""
+    ``prior_weight`` drafts, decayed with the request's own runs; its first pause is the population's too
+    (``population_pause``). Requests are short beside what a handful of runs can tell (a 64-token answer holds ~20
+    runs): a request that started from a fixed guess spent its first runs relearning what the requests before it had
+    shown, and a few unlucky early runs paused it for the rest of its answer (stop 54: adaptive EAGLE rows at 0.93×
+    where drafting always ran at 1.08–1.28×). `tick` counts engine steps: a pause ends at a multiple of its length, so
+    requests paused alike probe in the same step and share its one verification group (a lone probe in a batch costs
+    that batch a whole group)."""
 
     def __init__(self, gamma: int, cost: float, prior: float = 0.6, prior_weight: float = 4.0, decay: float = 0.8,
                  pause: int = 16, max_pause: int = 256, padded: bool = False, population_decay: float = 0.95) -> None:
@@ -86,6 +90,7 @@ class DraftLength:
         self.padded = padded
         self.prior_weight, self.population_decay = prior_weight, population_decay
         self.population = [prior * prior_weight, prior_weight]  # decayed Σ accepted, Σ examined of every run
+        self.population_pause = 0  # the pause after the last losing probe, a new request's first (0: none lost)
         self.now = 0
         self._records: dict[str, _Record] = {}
 
@@ -129,7 +134,7 @@ class DraftLength:
             return self.gamma  # the pause ends: probe
         best = self.best(self.acceptance(request_id))
         if best == 0:  # no run will come to update α (a probe found nothing to draft, or the price rose): wait again
-            self._pause(r, r.pause or self.min_pause)
+            self._pause(r, r.pause or self.population_pause or self.min_pause)
         return best
 
     def probing(self, request_id: str) -> bool:
@@ -164,9 +169,10 @@ class DraftLength:
         d = self.population_decay
         self.population = [self.population[0] * d + accepted, self.population[1] * d + examined]
         if self.best(self.acceptance(request_id)) == 0:
-            self._pause(r, min(self.max_pause, 2 * r.pause) if r.pause else self.min_pause)
+            self._pause(r, min(self.max_pause, 2 * r.pause) if r.pause else self.population_pause or self.min_pause)
+            self.population_pause = r.pause
         else:
-            r.pause = 0
+            r.pause = self.population_pause = 0
 
     def shadow(self, request_id: str, accepted: bool) -> None:
         """A paused request's drafter proposed a first token for free (`Drafter.free`) and the target's own token
