@@ -199,7 +199,7 @@ class K3ForCausalLM(nn.Module):
             raise ValueError(f"capture: source must be 'inputs' or 'blocks', got {source!r}")
         chosen = [self.layers[i] for i in layers]
         # Plain attributes, set past `nn.Module.__setattr__`'s checks: a serving engine with an EAGLE drafter switches
-        # them around every step, where those checks cost ~60 µs of a 0.8-ms compiled `mini` step.
+        # them around every step (12 checked assignments took ~60 µs per 0.8-ms compiled `mini` step under cProfile).
         for layer in chosen:
             object.__setattr__(layer, "capture", source)
             object.__setattr__(layer, "captured", None)
