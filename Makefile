@@ -19,7 +19,8 @@ LLAMA_CPP := llama_cpp_python-0.3.36
 PEERS     := $(VENV)/peers
 CONVERTER := $(PEERS)/$(LLAMA_CPP)/vendor/llama.cpp/convert_hf_to_gguf.py
 $(CONVERTER): $(STAMP)
-	$(BIN)/python -m pip download --quiet --no-deps --no-binary :all: -d $(PEERS) llama-cpp-python==0.3.36
+	$(BIN)/python -m pip download --quiet --no-deps --no-binary llama-cpp-python -d $(PEERS) \
+		llama-cpp-python==0.3.36
 	tar xzf $(PEERS)/$(LLAMA_CPP).tar.gz -C $(PEERS) $(addprefix $(LLAMA_CPP)/vendor/llama.cpp/,convert_hf_to_gguf.py \
 		conversion gguf-py models/templates)
 	rm $(PEERS)/$(LLAMA_CPP).tar.gz
