@@ -24,9 +24,10 @@ from k3.serve.api.app import BackgroundServer, Limits, create_app
 from k3.serve.engine import Engine
 
 #: What the event-loop tests allow /health to take while a hostile request runs: generous (it answers in
-#: milliseconds on an idle machine, ~0.5 s at worst on 2 busy cores, where the poller, the server and the worker
-#: share one GIL), and below the 2.4-2.7 s the loop was blocked for when these answers were built on it.
-HEALTH_BOUND = 1.2
+#: milliseconds on an idle machine; on 2 cores with the suite's other worker compiling, where the poller, the server and
+#: the thread pool share one GIL, once 1.9 s), and below the 2.4-2.7 s the loop was blocked for when these answers
+#: were built on it.
+HEALTH_BOUND = 2.2
 
 
 @pytest.fixture(scope="module")
