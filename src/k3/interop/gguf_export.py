@@ -196,7 +196,6 @@ def gguf_tensors(release: dict[str, Tensor], text: dict[str, Any]) -> dict[str, 
     """The GGUF tensors (numpy in the order llama.cpp's shapes read, and the raw ggml type where it is not implied by
     the dtype) of the release-named ``release`` (module docstring)."""
     out: dict[str, tuple[np.ndarray, int | None]] = {}
-    plain = lambda t: (t.detach().to(torch.float32).contiguous().numpy(), None)  # noqa: E731
     for name, gguf_name in TOP.items():
         if TEXT + name in release:
             out[gguf_name] = plain(release[TEXT + name])
@@ -211,7 +210,6 @@ def gguf_tensors(release: dict[str, Tensor], text: dict[str, Any]) -> dict[str, 
 
 def _layer(release: dict[str, Tensor], prefix: str, number: int, text: dict[str, Any]) -> dict[str, tuple]:
     """Layer ``number`` (1-based)'s GGUF tensors, named inside ``blk.N.``."""
-    plain = lambda t: (t.detach().to(torch.float32).contiguous().numpy(), None)  # noqa: E731
     out = {gguf_name: plain(release[prefix + name]) for name, gguf_name in LAYER.items() if prefix + name in release}
     for res, gguf_name in RES_SCORES.items():
         if prefix + f"{res}_proj.weight" in release:
@@ -244,8 +242,13 @@ def _experts(release: dict[str, Tensor], prefix: str, count: int) -> dict[str, t
             out[gguf_name] = (np.stack(blocks), MXFP4)
         elif f"{prefix}0.{w}.weight" in release:
             stacked = torch.stack([release[f"{prefix}{e}.{w}.weight"] for e in range(count)])
-            out[gguf_name] = (stacked.detach().to(torch.float32).contiguous().numpy(), None)
+            out[gguf_name] = plain(stacked)
     return out
+
+
+def plain(t: Tensor) -> tuple[np.ndarray, None]:
+    """A GGUF fp32 tensor (its ggml type implied by the dtype)."""
+    return t.detach().to(torch.float32).contiguous().numpy(), None
 
 
 def _score(release: dict[str, Tensor], prefix: str) -> Tensor:

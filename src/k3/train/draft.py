@@ -58,6 +58,7 @@ def serving_mask(layer_kind: str) -> str:
     """The unroll that drafts as the server does: ``eagle3`` for an MLA draft; a KDA draft has only ``causal``."""
     return "eagle3" if layer_kind == "mla" else "causal"
 
+
 #: Fields a resumed run may change; any other must equal the checkpoint's.
 RESUMABLE_CHANGES = ("ckpt", "out", "steps", "max_minutes", "ckpt_every", "log_every", "eval_batches", "threads",
                      "progress")

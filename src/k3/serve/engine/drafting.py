@@ -170,7 +170,9 @@ class _Sequence:
     state: DraftState
     feature: Tensor | None = None
     unread: tuple[tuple[list[int], Tensor], ...] = ()
-    waiting: int = 0  # the tokens in `unread`
+
+    def waiting(self) -> int:
+        return sum(len(tokens) for tokens, _ in self.unread)
 
     def nbytes(self) -> int:
         """The bytes of its tensors: the draft state's, the feature and the waiting features."""
@@ -212,8 +214,7 @@ class EagleDrafter:
     def observe(self, request_id: str, tokens: list[int], features: Tensor | None) -> None:
         seq = self._sequences.setdefault(request_id, _Sequence(self.draft.new_state(1)))
         seq.unread += ((tokens, features),)
-        seq.waiting += len(tokens)
-        if seq.waiting >= self.read_every:
+        if seq.waiting() >= self.read_every:
             self._catch_up(seq)
 
     @torch.inference_mode()
@@ -228,7 +229,7 @@ class EagleDrafter:
         paired = tokens if seq.feature is not None else tokens[1:]
         if paired:
             seq.state = self._read(torch.tensor([paired], device=hidden.device), hidden[None], seq.state)
-        seq.feature, seq.unread, seq.waiting = fused[-1], (), 0
+        seq.feature, seq.unread = fused[-1], ()
 
     @torch.inference_mode()
     def propose(self, request_id: str, history: Sequence[int], pending: int, params: SamplingParams,
