@@ -1,8 +1,9 @@
 """What adaptive EAGLE costs when it mostly does not draft (issue 36: no speculative row below 0.95× of plain), in one
-run on one set of compiled graphs: plain decoding; adaptive EAGLE; and EAGLE attached but never drafting (the
-target's features captured and read by the draft every step, no proposal, no verification) — the floor the adaptive
-rule can reach. Batch 1, greedy, 64-token answers to `speculative.prompts` text prompts, passes alternating the
-engines; decode tokens/s from each answer's first token.
+run on one set of compiled graphs: plain decoding; adaptive EAGLE, whose paused steps capture no features
+(`Speculator.reads`: the plain graphs, and the draft reads the `READ_AHEAD` steps before each probe); and EAGLE
+attached, reading the target's features every step but never drafting (no proposal, no verification) — the floor
+of adaptive EAGLE before stop 58, when paused steps still captured. Batch 1, greedy, 64-token answers to
+`speculative.prompts` text prompts, passes alternating the engines; decode tokens/s from each answer's first token.
 
     python benchmarks/speculative_paused.py --target runs/mini --draft runs/mini-draft    # ~5 min with warm caches
 """
@@ -46,8 +47,8 @@ def main() -> None:
     compile_s = time.perf_counter() - start
     engines = {"plain": build(plain, target, tokenizer, compiled), "adaptive EAGLE": build(eagle, target, tokenizer,
                                                                                             compiled),
-               "EAGLE never drafting": build(eagle, target, tokenizer, compiled)}
-    engines["EAGLE never drafting"].speculator.propose = lambda requests: {}
+               "EAGLE reading, never drafting": build(eagle, target, tokenizer, compiled)}
+    engines["EAGLE reading, never drafting"].speculator.propose = lambda requests: {}
     batch = prompts(tokenizer, args.prompts, "text")
     params = SamplingParams(temperature=0.0, max_tokens=64)
     for engine in engines.values():

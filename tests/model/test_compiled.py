@@ -385,11 +385,11 @@ def test_compiled_verification_gives_plain_decoding_and_warm_up_builds_its_graph
 
 
 def test_compiled_eagle_speculation_reads_the_features_eager_speculation_reads(tok):
-    """An EAGLE-3 draft reading AttnRes block outputs (a 4-block target) on a compiled engine: decode and
-    verification graphs keep the target features (the capture is part of their shape key: a graph built without
-    it is never reused with it) and the draft's own steps are compiled, so every proposal equals the eager engine's
-    — the same tokens, q within 1e-4 — and the answers equal plain decoding; after `Engine.warm_up` nothing
-    compiles."""
+    """An EAGLE-3 draft reading AttnRes block outputs (a 4-block target) on a compiled engine: decode,
+    verification and prefill graphs keep the target features (the capture is part of their shape key: a graph built
+    without it is never reused with it; a prefill chunk keeps each piece's) and the draft's own steps are compiled,
+    so every proposal equals the eager engine's — the same tokens, q within 1e-4 — and the answers equal plain
+    decoding; after `Engine.warm_up` nothing compiles."""
     from k3.model.draft import EagleDraft
     from k3.serve.engine import Engine, SamplingParams
     from k3.serve.engine.drafting import EagleDrafter
@@ -403,14 +403,14 @@ def test_compiled_eagle_speculation_reads_the_features_eager_speculation_reads(t
     prompts = [serving.prompts()[3], serving.prompts()[5][:30]]
     params = [SamplingParams(max_tokens=n, temperature=0) for n in (14, 8)]
 
-    compiled = CompiledModel(model, batches=(2,), sizes=(1,), tuned=False)
+    compiled = CompiledModel(model, batches=(2,), sizes=(1, 4), tuned=False)
     compiled.decode(torch.zeros(2, 1, dtype=torch.long), DecoderState.stack([compiled._context(2)] * 2))  # no capture
     built = compiled.compilations
     fast, eager = Recording(draft, compile=True), Recording(draft)  # the draft's steps compiled too
     engine = Engine(model, tok, max_batch=2, compile=compiled, drafter=fast, num_draft_tokens=3, adaptive_draft=False)
     engine.warm_up()
     fast.proposals.clear()  # the draft's warm-up proposal
-    assert compiled.compilations == built + 2  # decode and verification, both keeping features
+    assert compiled.compilations == built + 4  # decode, verification, prefill pieces on an empty cache and a cache
     warm = compiled.compilations
     assert _together(engine, prompts, params) == _together(Engine(model, tok, max_batch=2), prompts, params)
     _together(Engine(model, tok, max_batch=2, drafter=eager, num_draft_tokens=3, adaptive_draft=False), prompts,
@@ -420,6 +420,32 @@ def test_compiled_eagle_speculation_reads_the_features_eager_speculation_reads(t
     for a, b in zip(fast.proposals, eager.proposals, strict=True):
         assert a.tokens == b.tokens
         torch.testing.assert_close(a.q, b.q, atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow
+def test_paused_eagle_steps_run_the_plain_graphs_built_at_warm_up(tok):
+    """Adaptive EAGLE on a compiled engine (issue 36): `Engine.warm_up` builds the decode graph without features
+    beside the ones keeping them, so the steps of a paused request (an untrained draft loses its probes) run the
+    plain graph, the steps just before a probe the feature-keeping one, nothing compiles while serving, and the
+    tokens are plain eager decoding's."""
+    from k3.model.draft import DraftConfig, EagleDraft
+    from k3.serve.engine import Engine, SamplingParams
+    from k3.serve.engine.drafting import EagleDrafter
+
+    model = serving.model()
+    compiled = CompiledModel(model, batches=(1,), sizes=(1,), tuned=False)
+    drafter = EagleDrafter(EagleDraft(model, DraftConfig(layer_kind="kda")).eval())
+    engine = Engine(model, tok, compile=compiled, drafter=drafter, num_draft_tokens=3)
+    engine.warm_up()
+    warm = compiled.compilations
+    capturing, step = [], compiled.step
+    compiled.step = lambda *args: (capturing.append(any(layer.capture for layer in model.layers)), step(*args))[1]
+    params = SamplingParams(max_tokens=80, temperature=0)
+    prompt = serving.prompts()[3]
+    tokens = [t for o in engine.generate(prompt, params) for t in o.token_ids]
+    assert tokens == [t for o in Engine(model, tok).generate(prompt, params) for t in o.token_ids]
+    assert compiled.compilations == warm
+    assert engine.speculation["runs"] >= 2 and capturing.count(False) > 40 and capturing.count(True) > 0
 
 
 def test_a_draft_model_drafting_on_compiled_graphs_proposes_what_it_proposes_eagerly(tok):

@@ -1,14 +1,13 @@
 """Answers bounded before the work starts and built off the event loop (issue 35, item 1), against real servers on
 loopback: the log-probability entries of a request (echoed prompt, ``prompt_logprobs``, generated tokens, over every
 choice) against `Limits.max_logprob_entries`, exactly; ``/tokenize`` and ``/detokenize`` within the context; and
-``/health`` answering while a large answer is built."""
+large answers built and encoded on threads other than the event loop's."""
 
 from __future__ import annotations
 
 import http.client
 import json
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlparse
@@ -20,14 +19,10 @@ from http_api import MODEL, raw
 from k3 import K3ForCausalLM
 from k3.chat import chat_format
 from k3.config import preset
+from k3.serve.api import protocol
+from k3.serve.api import serving as api_serving
 from k3.serve.api.app import BackgroundServer, Limits, create_app
 from k3.serve.engine import Engine
-
-#: What the event-loop tests allow /health to take while a hostile request runs: generous (it answers in
-#: milliseconds on an idle machine; on 2 cores with the suite's other worker compiling, where the poller, the server and
-#: the thread pool share one GIL, once 1.9 s), and below the 2.4-2.7 s the loop was blocked for when these answers
-#: were built on it.
-HEALTH_BOUND = 2.2
 
 
 @pytest.fixture(scope="module")
@@ -65,29 +60,33 @@ def text_of(tokens: int) -> str:
     return text
 
 
-def health_during(url: str, work: Callable[[], object]) -> tuple[object, float]:
-    """``work()``'s result and the longest any ``GET /health`` took while it ran (asked back to back)."""
-    parts = urlparse(url)
-    done, longest = threading.Event(), [0.0]
+def builders(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[tuple[int, int]]]:
+    """Record, per call, the thread and the length of what builds an answer: its JSON text (`dumps`, where the
+    routes call it) and each token's string (the tokenizer's ``decode``, shared by the servers' engines)."""
+    calls: dict[str, list[tuple[int, int]]] = {"dumps": [], "decode": []}
 
-    def poll() -> None:
-        while not done.is_set():
-            conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
-            start = time.monotonic()
-            conn.request("GET", "/health")
-            assert conn.getresponse().status == 200
-            longest[0] = max(longest[0], time.monotonic() - start)
-            conn.close()
-            time.sleep(0.02)
+    def recorded(name: str, fn: Callable[..., str]) -> Callable[..., str]:
+        def call(*args: object) -> str:
+            out = fn(*args)
+            calls[name].append((threading.get_ident(), len(out)))
+            return out
+        return call
 
-    poller = threading.Thread(target=poll)
-    poller.start()
-    try:
-        result = work()
-    finally:
-        done.set()
-        poller.join()
-    return result, longest[0]
+    for module in (api_serving, protocol):
+        monkeypatch.setattr(module, "dumps", recorded("dumps", module.dumps))
+    tok = serving.tokenizer()
+    monkeypatch.setattr(tok, "decode", recorded("decode", tok.decode))
+    return calls
+
+
+def assert_off_the_loop(server: BackgroundServer, calls: dict[str, list[tuple[int, int]]], tokens: int) -> None:
+    """Every JSON text over a megabyte, and every token string (at least ``tokens``), was built on a thread other
+    than ``server``'s event loop."""
+    loop = server.thread.ident  # the thread running the server's event loop
+    large = [thread == loop for thread, size in calls["dumps"] if size > 2**20]
+    assert large and not any(large), f"{sum(large)} of {len(large)} large JSON texts encoded on the event loop"
+    decoded = [thread == loop for thread, _ in calls["decode"]]
+    assert len(decoded) >= tokens and not any(decoded), f"{sum(decoded)} of {len(decoded)} decoded on the event loop"
 
 
 def entries(logprobs: dict | None) -> int:
@@ -157,15 +156,16 @@ def test_the_bound_counts_every_entry_exactly(engine, route):
 
 # ---------------------------------------------------------------------------------------------- the event loop
 @pytest.mark.parametrize("stream", [False, True])
-def test_health_answers_while_a_large_logprob_answer_is_built(wide, stream):
+def test_a_large_logprob_answer_is_built_off_the_event_loop(wide, stream, monkeypatch):
     """6,000 prompt tokens echoed with 20 alternatives and as prompt_logprobs with 20: 252,000 entries (within the
-    default bound), some 20 MB of JSON in one answer or one event. It is built and encoded in the thread pool, in
-    pieces; before, the event loop spent seconds on it and /health waited."""
+    default bound), some 20 MB of JSON in one answer or one event. Its token strings and its JSON are built in the
+    thread pool, so the event loop (and /health) never waits on them."""
     body = {"model": MODEL, "prompt": text_of(6000), "max_tokens": 0, "echo": True, "logprobs": 20,
             "prompt_logprobs": 20, "stream": stream}
-    (status, size), slowest = health_during(wide.url, lambda: post_size(wide.url, "/v1/completions", body))
+    calls = builders(monkeypatch)
+    status, size = post_size(wide.url, "/v1/completions", body)
     assert status == 200 and size > 10 * 2**20
-    assert slowest < HEALTH_BOUND, slowest
+    assert_off_the_loop(wide, calls, 6000)
 
 
 def post_size(url: str, path: str, body: dict) -> tuple[int, int]:
@@ -197,11 +197,12 @@ def test_tokenize_refuses_a_conversation_that_cannot_fit_before_rendering_it(ser
     assert data["error"]["code"] == "context_length_exceeded"
 
 
-def test_health_answers_while_tokenize_returns_a_large_answer(wide):
-    """A 2 MB prompt with its token strings (the context of 2^20 tokens lets it through the cheap bound): encoding
-    releases the GIL, and the token strings and the JSON are built in the thread pool, not on the event loop."""
+def test_tokenize_builds_a_large_answer_off_the_event_loop(wide, monkeypatch):
+    """A 2 MB prompt with its token strings (the context of 2^20 tokens lets it through the cheap bound): the token
+    strings and the JSON are built in the thread pool, not on the event loop."""
     body = {"prompt": text_of(4000) * 210, "return_token_strs": True}
     assert len(body["prompt"]) > 2_000_000
-    (status, size), slowest = health_during(wide.url, lambda: post_size(wide.url, "/tokenize", body))
+    calls = builders(monkeypatch)
+    status, size = post_size(wide.url, "/tokenize", body)
     assert status == 200 and size > 2_000_000
-    assert slowest < HEALTH_BOUND, slowest
+    assert_off_the_loop(wide, calls, 4000 * 210)

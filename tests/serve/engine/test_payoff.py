@@ -53,6 +53,23 @@ def test_a_paused_request_probes_after_the_pause_and_the_pause_doubles():
     assert steps(lengths, "r", 8) == [0] * 7 + [3]
 
 
+def test_a_paused_request_reads_the_targets_features_only_just_before_its_probe():
+    """`DraftLength.reading`: a new request reads (nothing says it is paused); a paused one only in the ``ahead``
+    steps before its probe, and in the probe's own step; a request that drafts reads."""
+    lengths = DraftLength(gamma=3, cost=0.25, prior=0.0, pause=8, max_pause=8)
+    assert lengths.reading("r", 2)
+    lengths.update("r", 3, 0)  # step 0: paused until step 8
+    reading = []
+    for _ in range(8):
+        lengths.tick()
+        lengths.length("r")
+        reading.append(lengths.reading("r", 2))
+    assert reading == [False] * 5 + [True] * 3  # steps 6 and 7 (6 + 2 reaches 8), and 8, which probes
+    lengths.update("r", 3, 3)  # the probe won: no pause
+    lengths.tick()
+    assert lengths.length("r") == 3 and lengths.reading("r", 0)
+
+
 def test_paused_requests_probe_in_the_same_steps():
     """Requests that lost at different steps probe together: their pauses end at multiples of their length."""
     lengths = DraftLength(gamma=4, cost=0.1, prior=0.0, pause=8)

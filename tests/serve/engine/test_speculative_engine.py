@@ -256,6 +256,64 @@ def test_lazy_draft_reads_are_bounded():
     assert reads == [15] + [16] * 5
 
 
+def test_the_draft_reads_on_after_positions_it_was_not_given():
+    """Positions observed without features (a paused request's steps) are a gap: the draft reads the runs on either
+    side as one sequence without the gap, the first position after it unpaired (its predecessor's feature unknown),
+    so a proposal equals the draft's own teacher-forced pass over that sequence; no proposal while the last
+    position's feature is unknown; consecutive gaps keep nothing waiting."""
+    torch.manual_seed(0)
+    draft = EagleDraft(serving.model(), DraftConfig(layer_kind="kda")).eval()
+    d = draft.in_proj.weight.shape[0]
+    before, after = [int(t) for t in torch.randint(0, 200, (12,))], [int(t) for t in torch.randint(0, 200, (5,))]
+    f_before, f_after = torch.randn(12, 3, d), torch.randn(5, 3, d)
+    drafter = EagleDrafter(draft)
+    params = SamplingParams(temperature=0)
+    drafter.observe("r", before, f_before)
+    for t in range(30):
+        drafter.observe("r", [t], None)
+    assert len(drafter._sequences["r"].unread) == 2  # the run before the gap and one gap mark
+    assert drafter.propose("r", [], 7, params, [], [], None, 3) is None
+    drafter.observe("r", after[:2], f_after[:2])
+    drafter.observe("r", after[2:], f_after[2:])
+    got = drafter.propose("r", [], 7, params, [], [], None, 3)
+
+    with torch.no_grad():
+        fused_before = draft.fuse(list(f_before.unbind(-2)))
+        fused_after = draft.fuse(list(f_after.unbind(-2)))
+        hidden = torch.cat([fused_before[:-1], fused_after])
+        logits, _, _ = draft(torch.tensor([before[1:] + after[1:] + [7]]), hidden[None])
+    torch.testing.assert_close(got.q[0], probabilities(draft.to_target(logits[0, -1]), params), rtol=0, atol=1e-5)
+
+
+def test_a_paused_eagle_request_decodes_without_capturing_features(model, tok, monkeypatch):
+    """Adaptive EAGLE with an untrained draft pauses: its paused steps run the target without capturing features
+    (the capture is off during exactly the steps whose features the draft is not given), the draft gets them again
+    `READ_AHEAD` steps before each probe, probes still draft, and the tokens are plain decoding's."""
+    from k3.serve.engine.payoff import READ_AHEAD
+
+    drafter = EagleDrafter(EagleDraft(model, DraftConfig(layer_kind="kda")).eval())
+    given = []
+    observe = drafter.observe
+    drafter.observe = lambda request_id, tokens, features: (given.append(features is not None),
+                                                             observe(request_id, tokens, features))
+    capturing, forward_groups = [], model.forward_groups
+
+    def recorded(*args, **kwargs):
+        capturing.append(any(layer.capture is not None for layer in model.layers))
+        return forward_groups(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward_groups", recorded)
+    engine = Engine(model, tok, drafter=drafter, num_draft_tokens=3)
+    params = SamplingParams(max_tokens=96, temperature=0)
+    tokens = [t for o in engine.generate(PROMPTS[0], params) for t in o.token_ids]
+    monkeypatch.undo()
+    assert tokens == [t for o in Engine(model, tok).generate(PROMPTS[0], params) for t in o.token_ids]
+    counts = engine.speculation
+    assert counts["plain"] > 48 and counts["runs"] >= 3  # mostly paused, and probes after pauses
+    assert capturing.count(False) == given.count(False) > 32
+    assert capturing.count(True) >= READ_AHEAD * (counts["runs"] - 1)
+
+
 def test_the_draft_states_kept_beside_checkpoints_are_bounded_in_bytes():
     """An MLA draft's state grows with the context: beyond ``max_saved_bytes`` the least recently saved go. Bytes
     are counted independently: (kv_lora_rank + qk_shared_head_dim) fp32 scalars per position, plus the feature."""

@@ -69,8 +69,8 @@ class Engine:
                  num_draft_tokens: int = 4, compile: bool | CompiledModel = False,
                  grammars: Grammars | None = None, adaptive_draft: bool = True) -> None:
         """``compile``: decode rows and prefill chunks run through compiled graphs (`k3.model.compiled.CompiledModel`
-        with its default buckets, or the one given); speculative verification, prompt logprobs, image chunks and
-        drafter features stay eager. ``grammars``: the structured-output grammars and their cache (default: a
+        with its default buckets, or the one given), and so does speculative verification; prompt logprobs and image
+        chunks stay eager. ``grammars``: the structured-output grammars and their cache (default: a
         `Grammars` of the tokenizer with the default budgets). ``adaptive_draft``: each request drafts as many tokens
         as its measured acceptance pays for, down to none (`k3.serve.engine.payoff`); False: always
         ``num_draft_tokens``."""
@@ -131,11 +131,12 @@ class Engine:
     def warm_up(self, background: bool = False) -> float:
         """Build every compiled graph serving reaches (`CompiledModel.families`): decode buckets and prefill pieces,
         with a drafter the ``γ + 1``-token verification per bucket and the drafter's own graphs (`Drafter.warm_up`)
-        — keeping the target features a drafter reads, as serving does. With ``background`` the target's graphs are
-        built on a thread of their own while the engine serves (`CompiledModel.compile_in_background`: a step of a
-        family not built yet runs eagerly), unless a drafter reads the target's features (their capture is a switch
-        on the model's modules, shared with the steps): then everything is built first. Returns the seconds this
-        call took (0 without ``compile``)."""
+        — keeping the target features a drafter reads, as serving does, and the decode buckets without them too
+        (with adaptive drafting, the steps of paused requests: `Speculator.reads`). With ``background`` the target's
+        graphs are built on a thread of their own while the engine serves (`CompiledModel.compile_in_background`: a
+        step of a family not built yet runs eagerly), unless a drafter reads the target's features (their capture is
+        a switch on the model's modules, shared with the steps): then everything is built first. Returns the seconds
+        this call took (0 without ``compile``)."""
         if self.compiled is None:
             return 0.0
         start = time.perf_counter()
@@ -148,7 +149,9 @@ class Engine:
         else:
             with self.model.capture(list(layers), self.speculator.feature_source) if layers else \
                     contextlib.nullcontext():
-                self.compiled.warm_up(self.max_batch, self.max_model_len, verify, prefill=not layers)
+                self.compiled.warm_up(self.max_batch, self.max_model_len, verify)
+            if layers and self.speculator.lengths is not None:  # adaptive drafting pauses
+                self.compiled.warm_up(self.max_batch, self.max_model_len, prefill=False)
         return time.perf_counter() - start
 
     @property

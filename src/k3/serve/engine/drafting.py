@@ -18,6 +18,7 @@ drafts in a step, and what the drafter is told of the target's features and of e
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
@@ -30,7 +31,7 @@ from k3.model.compiled import CompiledModel
 from k3.model.draft import DraftState, EagleDraft
 from k3.model.lm import K3ForCausalLM
 from k3.model.state import DecoderState
-from k3.serve.engine.payoff import DraftLength, StepCost
+from k3.serve.engine.payoff import READ_AHEAD, DraftLength, StepCost
 from k3.serve.engine.sampling import SamplingParams, process
 from k3.serve.engine.request import Request
 from k3.serve.engine.speculative import probabilities
@@ -70,7 +71,8 @@ class Drafter(Protocol):
 
     def observe(self, request_id: str, tokens: list[int], features: Tensor | None) -> None:
         """The target consumed ``tokens`` (a prefill chunk, a decode token, or a verified run's kept tokens) and
-        produced ``features`` ``[T, len(feature_layers), d]`` at them."""
+        produced ``features`` ``[T, len(feature_layers), d]`` at them; None: a drafter that reads features was not
+        given them (`Speculator.reads`: the request was paused), a gap in what it read."""
 
     def propose(self, request_id: str, history: Sequence[int], pending: int, params: SamplingParams,
                 prompt: list[int], output: list[int], generator: torch.Generator | None, gamma: int) -> Draft | None:
@@ -164,15 +166,16 @@ class ModelDrafter:
 
 @dataclass
 class _Sequence:
-    """A request's draft: its state, the fused target feature at the last position it read, and the positions the
-    target consumed since (tokens and raw features, in order), not read yet."""
+    """A request's draft: its state, the fused target feature at the last position it read (None after a gap), and
+    the positions the target consumed since (tokens and raw features, in order; None features: a gap), not read
+    yet."""
 
     state: DraftState
     feature: Tensor | None = None
-    unread: tuple[tuple[list[int], Tensor], ...] = ()
+    unread: tuple[tuple[list[int], Tensor | None], ...] = ()
 
     def waiting(self) -> int:
-        return sum(len(tokens) for tokens, _ in self.unread)
+        return sum(len(tokens) for tokens, features in self.unread if features is not None)
 
     def nbytes(self) -> int:
         """The bytes of its tensors: the draft state's, the feature and the waiting features."""
@@ -193,7 +196,9 @@ class EagleDrafter:
     own state is kept beside each checkpoint the cache writes (`save`: the last ``max_saved``, at most
     ``max_saved_bytes`` — an MLA draft's state grows with the context) and restored with it
     (vLLM caches the draft's KV blocks beside the target's). A hit whose draft state was dropped starts the draft
-    from the positions the target reads (drafts stay verified: only acceptance suffers). With ``compile`` the draft's
+    from the positions the target reads (drafts stay verified: only acceptance suffers); so does a request whose
+    features were not captured while it was paused (`Speculator.reads`): the draft reads on after the gap, its state
+    holding the positions before it. With ``compile`` the draft's
     steps and reads run through ``torch.compile`` (dynamic shapes: one graph serves every context length; 4x faster
     proposals of `mini`'s draft on CPU)."""
 
@@ -213,29 +218,45 @@ class EagleDrafter:
 
     def observe(self, request_id: str, tokens: list[int], features: Tensor | None) -> None:
         seq = self._sequences.setdefault(request_id, _Sequence(self.draft.new_state(1)))
+        if features is None:  # a gap: nothing to read; the position after it is read without its predecessor's
+            if not seq.unread:
+                seq.feature = None
+            elif seq.unread[-1][1] is not None:
+                seq.unread += ((tokens, None),)
+            return
         seq.unread += ((tokens, features),)
         if seq.waiting() >= self.read_every:
             self._catch_up(seq)
 
-    @torch.inference_mode()
     def _catch_up(self, seq: _Sequence) -> None:
-        """Read the waiting positions: each token paired with the fused feature of the position before it."""
-        if not seq.unread:
-            return
-        tokens = [t for piece, _ in seq.unread for t in piece]
-        fused = self.draft.fuse(list(torch.cat([f for _, f in seq.unread]).unbind(-2)))  # [T, d]
+        """Read the waiting positions, run by run between gaps."""
+        unread, seq.unread = seq.unread, ()
+        for gap, run in itertools.groupby(unread, key=lambda entry: entry[1] is None):
+            if gap:
+                seq.feature = None
+            else:
+                self._read_run(seq, list(run))
+
+    @torch.inference_mode()
+    def _read_run(self, seq: _Sequence, run: list[tuple[list[int], Tensor]]) -> None:
+        """Read consecutive positions: each token paired with the fused feature of the position before it (the
+        first one unpaired where that feature is unknown: the sequence's start, or after a gap)."""
+        tokens = [t for piece, _ in run for t in piece]
+        fused = self.draft.fuse(list(torch.cat([f for _, f in run]).unbind(-2)))  # [T, d]
         previous = [] if seq.feature is None else [seq.feature[None]]
         hidden = torch.cat([*previous, fused[:-1]])
         paired = tokens if seq.feature is not None else tokens[1:]
         if paired:
             seq.state = self._read(torch.tensor([paired], device=hidden.device), hidden[None], seq.state)
-        seq.feature, seq.unread = fused[-1], ()
+        seq.feature = fused[-1]
 
     @torch.inference_mode()
     def propose(self, request_id: str, history: Sequence[int], pending: int, params: SamplingParams,
-                prompt: list[int], output: list[int], generator: torch.Generator | None, gamma: int) -> Draft:
+                prompt: list[int], output: list[int], generator: torch.Generator | None, gamma: int) -> Draft | None:
         seq = self._sequences[request_id]
         self._catch_up(seq)
+        if seq.feature is None:  # the last position came without its feature (`Speculator.reads`)
+            return None
         tokens, q, _ = self.draft.propose(seq.feature, pending, seq.state, gamma, params, probabilities, generator,
                                           self._step)
         return Draft(tokens, q)
@@ -381,10 +402,20 @@ class Speculator:
             self.cost.record(*self._proposed, seconds)
             _, self.lengths.fixed, self.lengths.cost = self.cost.value
 
+    def reads(self, request: Request) -> bool:
+        """Whether the drafter reads the target's features at ``request``'s tokens this step: it reads features, and
+        the request may draft within `READ_AHEAD` steps (`DraftLength.reading`; always without adaptive lengths).
+        A paused request's steps then capture nothing (the target's plain graphs), and the draft reads on after the
+        gap (`EagleDrafter`)."""
+        if not self.feature_layers:
+            return False
+        return self.lengths is None or self.lengths.reading(request.id, READ_AHEAD)
+
     def observe(self, request: Request, tokens: list[int], features: Tensor | None) -> None:
-        """The target consumed ``tokens`` of ``request`` with ``features`` (for a drafter that reads them); the first
-        piece after a prefix-cache hit restores the drafter's state of that checkpoint first."""
-        if features is not None:
+        """The target consumed ``tokens`` of ``request`` with ``features`` (None where the drafter reads features but
+        was not given them: `reads`); the first piece after a prefix-cache hit restores the drafter's state of that
+        checkpoint first."""
+        if self.feature_layers:
             if request.resumed is not None and request.prefilled == request.cached:
                 self.drafter.restore(request.id, request.resumed)
             self.drafter.observe(request.id, tokens, features)
@@ -399,8 +430,8 @@ class Speculator:
         the last of them the corrected or bonus token, not yet consumed)."""
         accepted = len(kept) - 1
         self.drafter.accept(request.id, accepted)
-        if features is not None:
-            self.drafter.observe(request.id, [pending, *kept[:-1]], features[:len(kept)])
+        if self.feature_layers:
+            self.drafter.observe(request.id, [pending, *kept[:-1]], None if features is None else features[:len(kept)])
         if self.lengths is not None:
             self.lengths.update(request.id, drafted, accepted)
         self.counts.update(runs=1, drafted=drafted, accepted=accepted)

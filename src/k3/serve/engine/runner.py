@@ -8,7 +8,8 @@ states stacked; every position's logits and a `Replay`, from which each row acce
 `DecoderState.stack`, MLA caches left-padded and masked).
 A row's result does not depend on its batch neighbours (up to float reduction order), so greedy output is
 batch-invariant. With a `CompiledModel` the decode group and plain prefill pieces run on its graphs and the rest
-eagerly, together. A drafter that reads the target gets each group's features at the tokens it consumed.
+eagerly, together. A drafter that reads the target gets each group's features at the tokens it consumed while its
+request may draft soon (`Speculator.reads`); a group whose requests are all paused captures nothing.
 
 The pass leaves every request untouched: it returns a `Forward` (logits and next states), so a failed pass can be
 retried request by request. The stacked decode state is kept for the next step while the decoding requests, and
@@ -18,12 +19,13 @@ the states they continue from, are the very ones it was made from.
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from k3.model.compiled import CompiledModel
+from k3.model.compiled import CompiledModel, pieces
 from k3.model.lm import K3ForCausalLM
 from k3.model.state import DecoderState
 from k3.serve.engine.drafting import Draft, Speculator
@@ -89,6 +91,7 @@ class Runner:
         full = [r.prompt_logprobs is not None for r, _ in plan.pieces]
         replay = [bool(r.cuts_inside(len(piece))) for r, piece in plan.pieces]  # a prefix-cache checkpoint inside
         consumed = [piece for _, piece in plan.pieces]
+        reads = [self.speculator.reads(r) for r, _ in plan.pieces]
         runs = [[r.pending, *d.tokens] for r, d in verifying]
         if verifying:
             rows = _right_padded(runs, self.verify_width)
@@ -96,13 +99,14 @@ class Runner:
             full.append(True)
             replay.append(True)
             consumed += rows
+            reads += [self.speculator.reads(r) for r, _ in verifying]
         if decoding:
             groups.append((ids([[r.pending] for r in decoding]), self._stacked(decoding)))
             full.append(False)
             replay.append(False)
             consumed += [[r.pending] for r in decoding]
-        results, features = self._call(groups, full, replay, consumed)
-        features = features or [None] * len(consumed)
+            reads += [self.speculator.reads(r) for r in decoding]
+        results, features = self._call(groups, full, replay, consumed, reads)
         forward = Forward(decoding=decoding)
         for (request, piece), (logits, state), f in zip(plan.pieces, results, features):
             self.speculator.observe(request, piece, f)
@@ -139,44 +143,77 @@ class Runner:
                     done[key] = prompt_embeddings(self.model, request.prompt, request.images)
                 request.embeds = done[key]
 
-    def _call(self, groups: list, full: list[bool], replay: list[bool],
-              consumed: list[list[int]]) -> tuple[list, list[Tensor] | None]:
-        """`forward_groups`; for a drafter that reads the target, also each group's features ``[T, layers, d]``
-        at its consumed tokens (the verification and decode groups' rows one by one)."""
-        layers = self.speculator.feature_layers
-        if not layers:
-            if self.compiled is not None:
-                return self._call_compiled(groups, full, replay)[0], None
-            return self.model.forward_groups(groups, full=full, replay=replay), None
-        with self.model.capture(list(layers), self.speculator.feature_source) as captured:
-            if self.compiled is not None:
-                results, features = self._call_compiled(groups, full, replay, captured)
-            else:
-                results = self.model.forward_groups(groups, full=full, replay=replay)
-                features = self._features(captured)
-        return results, list(features.split([len(c) for c in consumed]))
+    def _call(self, groups: list, full: list[bool], replay: list[bool], consumed: list[list[int]],
+              reads: list[bool]) -> tuple[list, list[Tensor | None]]:
+        """`forward_groups`, and the features ``[T, layers, d]`` at each consumed row's tokens (the verification and
+        decode groups' rows one by one) whose request's drafter reads them this step (``reads``:
+        `Speculator.reads`), None for the others. A group none of whose rows reads captures nothing: on compiled
+        graphs it runs the target's plain graph."""
+        bounds = list(itertools.accumulate([0] + [ids.shape[0] for ids, _ in groups]))  # each group's rows
+        capture = [any(reads[bounds[g]:bounds[g + 1]]) for g in range(len(groups))]
+        call = self._call_compiled if self.compiled is not None else self._call_eager
+        results, features = call(groups, full, replay, capture)
+        rows: list[Tensor | None] = []
+        for g, f in enumerate(features):
+            lengths = [len(c) for c in consumed[bounds[g]:bounds[g + 1]]]
+            rows += [None] * len(lengths) if f is None else f.split(lengths)
+        return results, [f if read else None for f, read in zip(rows, reads, strict=True)]
 
-    def _call_compiled(self, groups: list, full: list[bool], replay: list[bool], captured: list | None = None
-                       ) -> tuple[list, Tensor | None]:
+    def _call_eager(self, groups: list, full: list[bool], replay: list[bool], capture: list[bool]
+                    ) -> tuple[list, list[Tensor | None]]:
+        """One eager `forward_groups` call, and each group's features ``[N_g, layers, d]`` where any group captures
+        (every group's then), else None."""
+        if not any(capture):
+            return self.model.forward_groups(groups, full=full, replay=replay), [None] * len(groups)
+        with self._capture() as captured:
+            results = self.model.forward_groups(groups, full=full, replay=replay)
+            features = self._features(captured)
+        return results, list(features.split([ids.shape[0] * ids.shape[1] for ids, _ in groups]))
+
+    def _call_compiled(self, groups: list, full: list[bool], replay: list[bool], capture: list[bool]
+                       ) -> tuple[list, list[Tensor | None]]:
         """`forward_groups` with the decode group, the verification group and the prefill pieces on compiled graphs
         (each group's result is its own: the engine is batch-invariant); the groups a graph does not cover run
-        eagerly, together. With the ``captured`` layers of `K3ForCausalLM.capture`, also the features ``[N, layers,
-        d]`` of every group's tokens in order: prefill chunks then run eagerly (a compiled chunk is several graph
-        calls, each keeping only its own piece's features)."""
-        eager = [g for g, (ids, _) in enumerate(groups) if full[g] and not replay[g] or ids.is_floating_point()
-                 or captured is not None and not replay[g] and ids.shape[1] > 1]
-        results = dict(zip(eager, self.model.forward_groups([groups[g] for g in eager], full=[full[g] for g in eager],
-                                                            replay=[replay[g] for g in eager]) if eager else []))
-        sizes = [ids.shape[0] * ids.shape[1] for ids, _ in groups]
-        features = dict(zip(eager, self._features(captured).split([sizes[g] for g in eager]))) if eager and \
-            captured is not None else {}
-        for g, group in enumerate(groups):
-            if g not in results:
-                results[g] = (self.compiled.verify if replay[g] else self.compiled.step)(*group)
-                if captured is not None:  # the graph's rows past the group's own are its bucket's filler
-                    features[g] = self._features(captured)[:sizes[g]]
-        ordered = [results[g] for g in range(len(groups))]
-        return ordered, None if captured is None else torch.cat([features[g] for g in range(len(groups))])
+        eagerly, together. Each group that ``capture``s also gives its features ``[N_g, layers, d]`` (a prefill chunk
+        piece by piece: `_prefill_captured`)."""
+        eager = [g for g, (ids, _) in enumerate(groups) if full[g] and not replay[g] or ids.is_floating_point()]
+        results: dict[int, tuple] = {}
+        features: dict[int, Tensor | None] = {}
+        if eager:
+            out, captured = self._call_eager([groups[g] for g in eager], [full[g] for g in eager],
+                                             [replay[g] for g in eager], [capture[g] for g in eager])
+            results.update(zip(eager, out))
+            features.update(zip(eager, captured))
+        for g, (ids, state) in enumerate(groups):
+            if g in results:
+                continue
+            step = self.compiled.verify if replay[g] else self.compiled.step
+            if not capture[g]:
+                results[g], features[g] = step(ids, state), None
+            elif replay[g] or ids.shape[1] == 1:
+                with self._capture() as captured:
+                    results[g] = step(ids, state)
+                    # the graph's rows past the group's own are its bucket's filler
+                    features[g] = self._features(captured)[:ids.shape[0] * ids.shape[1]]
+            else:
+                results[g], features[g] = self._prefill_captured(ids, state)
+        return [results[g] for g in range(len(groups))], [features[g] for g in range(len(groups))]
+
+    def _prefill_captured(self, ids: Tensor, state: DecoderState) -> tuple[tuple[Tensor, DecoderState], Tensor]:
+        """A prefill chunk ``[1, T]`` on the compiled graphs as `CompiledModel.prefill_rows` runs it, one piece
+        (`k3.model.compiled.pieces`) per call, so that each piece's features are kept (a graph keeps only its own
+        call's): the last position's logits and the state, and the features ``[T, layers, d]``."""
+        kept, start = [], 0
+        with self._capture() as captured:
+            for size in pieces(ids.shape[1], self.compiled.sizes):
+                logits, state = self.compiled.step(ids[:, start:start + size], state)
+                kept.append(self._features(captured)[:size])
+                start += size
+        return (logits, state), torch.cat(kept)
+
+    def _capture(self):
+        """`K3ForCausalLM.capture` of the drafter's feature layers."""
+        return self.model.capture(list(self.speculator.feature_layers), self.speculator.feature_source)
 
     @staticmethod
     def _features(captured: list) -> Tensor:
