@@ -485,9 +485,8 @@ class CompiledModel:
         """The graphs serving with at most ``max_batch`` requests reaches, most used first: ``("decode", bucket,
         side)`` for each decode bucket up to ``bucket(max_batch)``, ``("verify", bucket, verify_tokens, side)`` with
         ``verify_tokens``, and ``("prefill", size, side)`` for each prefill piece (unless ``prefill`` is False);
-        ``side`` is `cached`'s: 0 an empty
-        cache, 2 a cache, 3 one past `CASCADE_SUM` positions, built where a context of ``max_model_len`` tokens
-        (default: the model's) reaches that far."""
+        ``side`` is `cached`'s: 0 an empty cache, 2 a cache, 3 one past `CASCADE_SUM` positions, built where a
+        context of ``max_model_len`` tokens (default: the model's) reaches that far."""
         long = (max_model_len or self.model.config.context_length) > CASCADE_SUM
         buckets = [b for b in self.batches if b <= self.bucket(max_batch)]
         out: list[tuple] = []
