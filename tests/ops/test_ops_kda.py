@@ -99,6 +99,21 @@ def test_steps_equal_the_recurrence(with_state, dtype, tol):
         assert torch.equal(S0.to(dtype), before)  # the caller's state is not written
 
 
+@pytest.mark.parametrize("T", [0, 1, 5, 17])
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, F64), (torch.float32, F32)])
+def test_the_state_after_a_run_equals_the_recurrences(T, dtype, tol):
+    """The state alone after a run (`state_after`, the accepted prefix's replay) equals Eq. 1 as written
+    (`recurrent`), and leaves the caller's state as it was."""
+    q, k, v, g, b = make(T=T, seed=5)
+    S0 = state(seed=6)
+    _, s_ref = kda.recurrent(q, k, v, g, b, initial_state=S0)
+    before = S0.to(dtype)
+    S = kda.state_after(*(x.to(dtype) for x in (k, v, g, b)), before)
+    assert S.dtype == dtype and S.shape == S0.shape
+    torch.testing.assert_close(S.double(), s_ref, **tol)
+    assert torch.equal(before, S0.to(dtype))
+
+
 def test_empty_sequence_returns_the_state():
     q, k, v, g, b = make(T=0)
     S0 = state()

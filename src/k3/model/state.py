@@ -209,9 +209,13 @@ class DecoderState:
     def unstack(self) -> list[DecoderState]:
         """Each row as its own batch-1 state, its padding stripped (inverse of `stack`). A pending `Replay` of a
         stacked verification (SPEC §8) is split too: each row keeps its own before-state, KDA records and depth
-        sources, so it can `accept` its own prefix as if it had been verified alone."""
+        sources, so it can `accept` its own prefix as if it had been verified alone. An unpadded row alone is this
+        state's own caches (their in-place storage kept: its next step appends without copying them)."""
+        padding = self.row_padding().tolist()
+        if padding == [0] and self.replay is None:
+            return [DecoderState(list(self.layers), self.depth, self.position)]
         rows = []
-        for b, pad in enumerate(self.row_padding().tolist()):
+        for b, pad in enumerate(padding):
             row = self.select(slice(b, b + 1))
             layers = [MLACache(s.latent[:, pad:], s.shared_key[:, pad:]) if isinstance(s, MLACache) else s
                       for s in row.layers]

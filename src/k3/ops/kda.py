@@ -27,6 +27,7 @@ __all__ = [
     "recurrent",
     "chunked",
     "step",
+    "state_after",
     "segment_summary",
     "compose",
     "bounded_decay",
@@ -151,6 +152,31 @@ def steps(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tenso
         o, state = step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state, scale)
         outputs.append(o)
     return torch.stack(outputs, dim=1), state
+
+
+def state_after(k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor) -> Tensor:
+    """The state after a short run from ``state`` (SPEC Eq. 1), without the outputs: k, g ``[B,T,H,K]``; v
+    ``[B,T,H,V]``; beta ``[B,T,H]``; state ``[B,H,K,V]``. What `steps` leaves, for replaying an accepted prefix
+    of speculative tokens (SPEC §8): the queries are not read, and the decays, erase keys and write keys of every
+    token are formed at once, so each token costs three operators over the state — ``δ = v − (α∘k)ᵀS``, then
+    ``α∘S + β k δᵀ`` — where `step` runs a dozen. Returns the state ``[B,H,K,V]`` in the compute dtype."""
+    B, T, H, K, V = _validate(k, k, v, g, beta, state)
+    dtype = _compute_dtype(k, v, g, beta, state)
+    k, v, g, beta = (x.to(dtype) for x in (k, v, g, beta))
+
+    def tokens_first(x: Tensor, *shape: int) -> Tensor:  # [B, T, H, …] -> [T, B·H, …]
+        return x.transpose(0, 1).reshape(T, B * H, *shape)
+
+    alpha = g.exp()
+    read = tokens_first(k * alpha, 1, K)  # (α∘k)ᵀ S = kᵀ Diag(α) S
+    decay = tokens_first(alpha, K, 1)
+    write = tokens_first(beta.unsqueeze(-1) * k, K, 1)
+    values = tokens_first(v, 1, V)
+    S = state.to(dtype).reshape(B * H, K, V)
+    for t in range(T):
+        delta = torch.baddbmm(values[t], read[t], S, alpha=-1)  # v − kᵀS'
+        S = torch.addcmul(S * decay[t], write[t], delta)
+    return S.view(B, H, K, V)
 
 
 def recurrent(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float | None = None,

@@ -10,8 +10,11 @@ import torch
 
 import serving
 from k3.model.sequence.kda import KDAState
+from k3.model.sequence.mla import Storage
+from k3.model.state import DecoderState
 from k3.model.draft import DraftConfig, EagleDraft
 from k3.serve.engine.drafting import EagleDrafter, ModelDrafter
+from k3.serve.engine.ngram import NGramDrafter
 from k3.serve.engine import Engine, SamplingParams
 from k3.serve.engine.sampling import process
 from k3.serve.engine.speculative import probabilities
@@ -145,6 +148,35 @@ def test_the_state_after_every_step_equals_sequential_decoding(model, tok, kind)
     assert stats["runs"] > 5 and (stats["accepted"] == stats["drafted"] if kind.startswith("same")
                                   else stats["accepted"] < stats["drafted"])
     assert out[1][2] == "stop" and out[2][0] and len(out[2][0]) == 2
+
+
+class EveryOtherStep(NGramDrafter):
+    """Prompt lookup on every other step only: verifications and plain steps alternate."""
+
+    calls = 0
+
+    def propose(self, *args, **kwargs):
+        self.calls += 1
+        return super().propose(*args, **kwargs) if self.calls % 2 else None
+
+
+def test_a_lone_request_decodes_on_in_its_own_storage_after_each_verification(tok, monkeypatch):
+    """At batch 1 the decode group is the request's own state, not a stack of one: the plain step after a
+    verification appends into the accepted state's MLA storage, so the caches are copied only when they outgrow it
+    (as in plain decoding), never per verification."""
+    model, params = serving.Cycling(), SamplingParams(max_tokens=48, temperature=0)
+    copies = []
+    holding = Storage.holding.__func__
+    monkeypatch.setattr(Storage, "holding",
+                        classmethod(lambda cls, cache, n: copies.append(n) or holding(cls, cache, n)))
+    monkeypatch.setattr(DecoderState, "stack", classmethod(lambda cls, states: pytest.fail("a stack at batch 1")))
+    plain = run(Engine(model, tok), [(PROMPTS[3], params)])
+    plain_copies, copies[:] = list(copies), []
+    engine = Engine(model, tok, drafter=EveryOtherStep(), num_draft_tokens=4, adaptive_draft=False)
+    spec = run(engine, [(PROMPTS[3], params)])
+    stats = engine.speculation
+    assert spec[0][0] == plain[0][0] and stats["runs"] >= 4 and stats["plain"] >= 4  # steps of both kinds
+    assert len(copies) == len(plain_copies)
 
 
 def test_sampled_tokens_follow_the_target_distribution(model, tok):

@@ -71,14 +71,13 @@ def advance(records: list[KDAReplay], states: list[KDAState], n: int, chunk_size
     if not records:
         return []
     rows = [s.recurrent.shape[0] for s in states]
-    q, k, v, g, beta = (torch.cat([getattr(r, name)[:, :n] for r in records])
-                        for name in ("q", "k", "v", "g", "beta"))
+    k, v, g, beta = (torch.cat([getattr(r, name)[:, :n] for r in records]) for name in ("k", "v", "g", "beta"))
     recurrent = torch.cat([s.recurrent for s in states])
     if chunk_size is not None:
+        q = torch.cat([r.q[:, :n] for r in records])
         _, recurrent = kda.chunked(q, k, v, g, beta, initial_state=recurrent, chunk_size=chunk_length(chunk_size, n))
     else:
-        for t in range(n):
-            _, recurrent = kda.step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], recurrent)
+        recurrent = kda.state_after(k, v, g, beta, recurrent)
     return [KDAState(_window(s.conv, r.conv_in[:, :n]), state)
             for r, s, state in zip(records, states, recurrent.to(states[0].recurrent.dtype).split(rows), strict=True)]
 
@@ -104,17 +103,17 @@ def advance_rows(records: list[KDAReplay], states: list[KDAState], counts: list[
     def rows_first(tensors: list[Tensor]) -> Tensor:  # [L] × [B, …] -> [B·L, …], rows in `order`, layers inner
         return torch.stack(tensors, dim=1).index_select(0, index).flatten(0, 1)
 
-    q, k, v, g, beta = (rows_first([getattr(r, name)[:, :steps] for r in records])
-                        for name in ("q", "k", "v", "g", "beta"))
-    recurrent, done, live = rows_first([s.recurrent for s in states]), [None] * B, B
-    for t in range(steps + 1):
-        running = sum(counts[b] > t for b in order)
-        for rank in range(running, live):  # these rows' counts are reached: their states are final
-            done[order[rank]] = recurrent[rank * L:(rank + 1) * L]
-        live = running
-        if live:
-            _, recurrent = kda.step(q[:live * L, t], k[:live * L, t], v[:live * L, t], g[:live * L, t],
-                                    beta[:live * L, t], recurrent[:live * L])
+    k, v, g, beta = (rows_first([getattr(r, name)[:, :steps] for r in records]) for name in ("k", "v", "g", "beta"))
+    recurrent, done, live, t = rows_first([s.recurrent for s in states]), [None] * B, B, 0
+    while live:
+        end = counts[order[live - 1]]  # the shortest count still running: every running row reads to there
+        if end > t:
+            rows = slice(0, live * L)
+            recurrent, t = kda.state_after(k[rows, t:end], v[rows, t:end], g[rows, t:end], beta[rows, t:end],
+                                           recurrent[rows]), end
+        while live and counts[order[live - 1]] == t:  # these rows' counts are reached: their states are final
+            live -= 1
+            done[order[live]] = recurrent[live * L:(live + 1) * L]
     out = []
     for b, final in enumerate(done):
         final = final.to(states[0].recurrent.dtype)

@@ -95,7 +95,7 @@ class Runner:
         runs = [[r.pending, *d.tokens] for r, d in verifying]
         if verifying:
             rows = _right_padded(runs, self.verify_width)
-            groups.append((ids(rows), _verify_state([r for r, _ in verifying])))
+            groups.append((ids(rows), _stacked_states([r for r, _ in verifying])))
             full.append(True)
             replay.append(True)
             consumed += rows
@@ -130,7 +130,7 @@ class Runner:
         if batch is None or len(batch[0]) != len(decoding) or not all(
                 r is old and r.state is state for r, old, state in zip(decoding, batch[0], batch[1])):
             states = [r.state for r in decoding]
-            self._batch = batch = (decoding, states, DecoderState.stack(states))
+            self._batch = batch = (decoding, states, _stacked_states(decoding))
         return batch[2]
 
     def _encode_images(self, prefilling: list[Request]) -> None:
@@ -229,8 +229,9 @@ def _right_padded(runs: list[list[int]], width: int | None = None) -> list[list[
     return [run + run[-1:] * (width - len(run)) for run in runs]
 
 
-def _verify_state(requests: list[Request]) -> DecoderState:
-    """The verification group's state: the speculating requests' states stacked (one state as it is)."""
+def _stacked_states(requests: list[Request]) -> DecoderState:
+    """A group's state: the requests' states stacked; one state as it is (a batch of one needs no padding, and its
+    MLA caches keep their in-place storage instead of being copied)."""
     return requests[0].state if len(requests) == 1 else DecoderState.stack([r.state for r in requests])
 
 
