@@ -326,6 +326,18 @@ def test_l2norm_regularised():
 
 
 # ---------------------------------------------------------------------- bad input
+def test_bad_input_to_the_state_after_a_run_names_the_argument():
+    _, k, v, g, b = make(T=5, dtype=torch.float32)
+    S = state(dtype=torch.float32)
+    cases = {"k": (k.long(), v, g, b, S), "v": (k, v[:, :4], g, b, S), "g": (k, v, g[:, :, :1], b, S),
+             "beta": (k, v, g, b[..., None], S), "initial_state": (k, v, g, b, S[..., :3])}
+    for name, args in cases.items():
+        with pytest.raises(ValueError, match=f"^{name}:"):
+            kda.state_after(*args)
+    with pytest.raises(ValueError, match="^k: expected 4 dims"):
+        kda.state_after(k[:, 0], v, g, b, S)
+
+
 @pytest.mark.parametrize("fn", [kda.recurrent, kda.chunked], ids=["recurrent", "chunked"])
 def test_bad_input_names_the_argument(fn):
     q, k, v, g, b = make(T=5, dtype=torch.float32)

@@ -95,21 +95,22 @@ def _check_shape(name: str, x: Tensor, expected: list[int], layout: str) -> None
 
 
 def _validate(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor | None,
-              single_token: bool = False) -> tuple[int, ...]:
-    """Check shapes/dtypes of a sequence (``[B,T,H,*]``) or a single token (``[B,H,*]``)."""
-    _check_float("q", q)
+              single_token: bool = False, lead_name: str = "q") -> tuple[int, ...]:
+    """Check shapes/dtypes of a sequence (``[B,T,H,*]``) or a single token (``[B,H,*]``); the others' shapes are read
+    from ``q`` (named ``lead_name`` in errors: a function without queries passes its keys there)."""
+    _check_float(lead_name, q)
     want = 3 if single_token else 4
     if q.dim() != want:
         layout = "[B, H, K]" if single_token else "[B, T, H, K]"
-        raise ValueError(f"q: expected {want} dims {layout}, got shape {list(q.shape)}")
+        raise ValueError(f"{lead_name}: expected {want} dims {layout}, got shape {list(q.shape)}")
     lead, K = list(q.shape[:-1]), q.shape[-1]
-    _check_shape("k", k, lead + [K], "like q")
-    _check_shape("g", g, lead + [K], "like q")
+    _check_shape("k", k, lead + [K], f"like {lead_name}")
+    _check_shape("g", g, lead + [K], f"like {lead_name}")
     _check_float("v", v)
     if v.dim() != want or list(v.shape[:-1]) != lead:
-        raise ValueError(f"v: expected shape {lead + ['V']} (leading dims of q), got {list(v.shape)}")
+        raise ValueError(f"v: expected shape {lead + ['V']} (leading dims of {lead_name}), got {list(v.shape)}")
     V = v.shape[-1]
-    _check_shape("beta", beta, lead, "q's shape without the last dim")
+    _check_shape("beta", beta, lead, f"{lead_name}'s shape without the last dim")
     B, H = lead[0], lead[-1]
     if state is not None:
         _check_shape("initial_state" if not single_token else "state", state, [B, H, K, V], "[B, H, K, V]")
@@ -160,7 +161,7 @@ def state_after(k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor) ->
     of speculative tokens (SPEC §8): the queries are not read, and the decays, erase keys and write keys of every
     token are formed at once, so each token costs three operators over the state — ``δ = v − (α∘k)ᵀS``, then
     ``α∘S + β k δᵀ`` — where `step` runs a dozen. Returns the state ``[B,H,K,V]`` in the compute dtype."""
-    B, T, H, K, V = _validate(k, k, v, g, beta, state)
+    B, T, H, K, V = _validate(k, k, v, g, beta, state, lead_name="k")
     dtype = _compute_dtype(k, v, g, beta, state)
     k, v, g, beta = (x.to(dtype) for x in (k, v, g, beta))
 
