@@ -330,9 +330,9 @@ def pieces(length: int, sizes: tuple[int, ...] = PREFILL_PIECES) -> list[int]:
 def _stepping(method: Callable) -> Callable:
     """A `CompiledModel` step: the background compilation waits while it runs (`k3.model.background.Gate`)."""
     @functools.wraps(method)
-    def run(self: CompiledModel, input_ids: Tensor, state: DecoderState) -> tuple[Tensor, DecoderState]:
+    def run(self: CompiledModel, input_ids: Tensor, state: DecoderState, *args) -> tuple[Tensor, DecoderState]:
         with self.gate.busy():
-            return method(self, input_ids, state)
+            return method(self, input_ids, state, *args)
 
     return run
 
@@ -457,9 +457,11 @@ class CompiledModel:
         return logits[:batch * tokens], replace(out, padding=None) if unpadded else out
 
     @_stepping
-    def prefill_rows(self, input_ids: Tensor, state: DecoderState) -> tuple[Tensor, DecoderState]:
+    def prefill_rows(self, input_ids: Tensor, state: DecoderState,
+                     after_piece: Callable[[int], None] | None = None) -> tuple[Tensor, DecoderState]:
         """A chunk ``input_ids [B, T]`` as pieces of the bucket lengths (a 1-token piece is a decode step; a piece
-        on a cache of exactly one position, after a 1-token first piece, runs eagerly like such a decode step)."""
+        on a cache of exactly one position, after a 1-token first piece, runs eagerly like such a decode step);
+        ``after_piece(size)`` is called after each piece (what a piece's graph kept is overwritten by the next)."""
         logits, start = None, 0
         for size in pieces(input_ids.shape[1], self.sizes):
             part = input_ids[:, start:start + size]
@@ -471,6 +473,8 @@ class CompiledModel:
             else:
                 self.graph_calls += 1
                 logits, state = graph(part, state)
+            if after_piece is not None:
+                after_piece(size)
             start += size
         return logits, state
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from k3.model.compiled import CompiledModel, pieces
+from k3.model.compiled import CompiledModel
 from k3.model.lm import K3ForCausalLM
 from k3.model.state import DecoderState
 from k3.serve.engine.drafting import Draft, Speculator
@@ -200,16 +200,13 @@ class Runner:
         return [results[g] for g in range(len(groups))], [features[g] for g in range(len(groups))]
 
     def _prefill_captured(self, ids: Tensor, state: DecoderState) -> tuple[tuple[Tensor, DecoderState], Tensor]:
-        """A prefill chunk ``[1, T]`` on the compiled graphs as `CompiledModel.prefill_rows` runs it, one piece
-        (`k3.model.compiled.pieces`) per call, so that each piece's features are kept (a graph keeps only its own
-        call's): the last position's logits and the state, and the features ``[T, layers, d]``."""
-        kept, start = [], 0
+        """A prefill chunk ``[1, T]`` on the compiled graphs (`CompiledModel.prefill_rows`), keeping each piece's
+        features as it ends (a graph keeps only its own call's): the last position's logits and the state, and the
+        features ``[T, layers, d]``."""
+        kept = []
         with self._capture() as captured:
-            for size in pieces(ids.shape[1], self.compiled.sizes):
-                logits, state = self.compiled.step(ids[:, start:start + size], state)
-                kept.append(self._features(captured)[:size])
-                start += size
-        return (logits, state), torch.cat(kept)
+            result = self.compiled.prefill_rows(ids, state, lambda size: kept.append(self._features(captured)[:size]))
+        return result, torch.cat(kept)
 
     def _capture(self):
         """`K3ForCausalLM.capture` of the drafter's feature layers."""
