@@ -11,9 +11,10 @@ quantization-aware training (QAT) buys over post-training quantization (PTQ) at 
    with a `DecoderState`), side by side: fp32, bf16, the fake-quantized float model (MX on, float experts), and
    the packed checkpoint — through the packed-byte kernel (`k3.ops.mxfp4_kernel`: each chosen expert's bytes
    read once, never decoded to floats) and through decoded weights (`k3.ops.mx.dequantize`, then a matmul: the
-   PyTorch path), then with MXFP8 E4M3 inputs. "expert products ms/token" times one chosen expert's product
-   (w1, w3, w2) on one token, times MoE layers × top-k; the roofline is the bytes those products read per token
-   over the machine's copy bandwidth (a 256 MiB copy).
+   PyTorch path), then with MXFP8 E4M3 inputs. "expert products ms/token" times one token's routed-experts layer
+   (its top-k experts' w1, w3, w2, the activation and the weighted sum: for the packed checkpoint one call of
+   `k3.ops.mxfp4_kernel.experts`), times the MoE layers; the roofline is the bytes those experts read per token over
+   the machine's copy bandwidth (a 256 MiB copy).
 3. Quality, ``mini`` preset (8 experts, top-2), ``--steps`` × 2,048 tokens at length 256, 2
    seeds, one tokenizer: full-precision training (FP), evaluated as trained and after PTQ (its experts packed
    round-to-nearest, MXFP4 weights + MXFP8 E4M3 inputs), and QAT from scratch (``qat="mx"``: the same
@@ -131,7 +132,8 @@ def expert_bytes(experts: Experts, dtype: torch.dtype) -> int:
 
 @torch.no_grad()
 def decode(model: K3ForCausalLM, tokens: int, dtype: torch.dtype) -> tuple[float, list[int], torch.Tensor, float]:
-    """(tokens/s, greedy tokens, prefill logits, ms per token in the routed experts' products) at batch 1."""
+    """(tokens/s, greedy tokens, prefill logits, ms per token in the routed experts: one token's layer with its
+    top-k experts, times the MoE layers) at batch 1."""
     prompt = torch.arange(1, PROMPT + 1)[None] * 37 % model.config.vocab_size
     logits, prefilled = model(prompt, state=model.new_state(1))
     first = logits[:, -1:].argmax(-1)
@@ -145,11 +147,11 @@ def decode(model: K3ForCausalLM, tokens: int, dtype: torch.dtype) -> tuple[float
         return out
 
     seconds, _ = median_seconds(run, min_repeats=3, budget_s=8.0)
-    experts = experts_of(model)
+    experts, k = experts_of(model), model.config.moe.num_experts_per_token
     x = torch.randn(1, experts[0].width, dtype=dtype)
-    product, _ = median_seconds(lambda: experts[0].expert(0, x), min_repeats=20, budget_s=0.5)
-    per_token = product * len(experts) * model.config.moe.num_experts_per_token
-    return tokens / seconds, run(), logits.float(), 1e3 * per_token
+    weights, indices = torch.full((1, k), 1.0 / k), torch.arange(k)[None]
+    layer, _ = median_seconds(lambda: experts[0](x, weights, indices), min_repeats=20, budget_s=0.5)
+    return tokens / seconds, run(), logits.float(), 1e3 * layer * len(experts)
 
 
 def decode_rows(fp_dir: Path, packed_dir: Path, tokens: int, bandwidth: float) -> list[dict]:

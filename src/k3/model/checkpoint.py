@@ -42,6 +42,7 @@ from k3.files import (CONFIG_LIMIT, DATA_LIMIT, POINTER_LIMIT, atomic_write, ope
                       read_text, write_text)
 from k3.model.lm import K3ForCausalLM
 from k3.model.packed import PackedExperts, skeleton
+from k3.model.safetensors_io import owned
 from k3.ops import mx
 from k3.sizing.memory import check_stored
 from k3.tokenization.bpe import Tokenizer
@@ -108,7 +109,7 @@ def non_finite(tensors: dict[str, torch.Tensor]) -> str | None:
 def write_model(directory: Path, model: torch.nn.Module, config: K3Config) -> None:
     """``model.safetensors`` (weights and persistent buffers, which must be finite) and ``config.json`` (with a
     ``quantization_config`` when the routed experts are packed)."""
-    tensors = {name: t.detach().contiguous() for name, t in model.state_dict().items()}
+    tensors = {name: owned(t) for name, t in model.state_dict().items()}
     bad = non_finite(tensors)
     if bad is not None:
         raise ValueError(f"{directory.with_suffix('')}: not saved: weight {bad!r} has non-finite values "

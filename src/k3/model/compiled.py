@@ -101,9 +101,8 @@ def persistent_cache() -> str | None:
 
 
 def _stack_packed(model: K3ForCausalLM) -> None:
-    """Packed experts trace as one graph with the rest of the step: their products are one operator on stacked
-    copies of their packed bytes (`PackedExperts.forward`, `k3.model.packed.pair_products`), made here before any
-    trace."""
+    """Packed experts trace as one graph with the rest of the step: their layer is one operator on their stacked
+    packed bytes (`PackedExperts.forward`, `k3.model.packed.experts_product`), stacked here before any trace."""
     for module in model.modules():
         if isinstance(module, PackedExperts):
             module.stack()

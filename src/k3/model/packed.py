@@ -1,12 +1,13 @@
 """Routed experts kept in the release's packed MXFP4 storage (SPEC §10): 4.25 bits per weight in memory.
 
-`PackedExperts` has the dispatch of `k3.model.width.Experts` (sort by expert, one small matmul chain per
-selected expert) but stores each expert as compressed-tensors tensors — ``packed.E.w1`` (gate), ``w3`` (up),
-``w2`` (down), each ``weight_packed`` uint8 ``[out, in/2]`` + ``weight_scale`` E8M0 ``[out, in/32]``. A chosen
-expert's few decode-step tokens multiply its packed bytes directly (`k3.ops.mxfp4_kernel`, fp32 on the CPU); else
-its weights are decoded (exactly, `k3.ops.mx.dequantize`) only when a token is routed to it. Loaded from
-memory-mapped shards, an expert's bytes are read from disk the first time it is chosen. The buffers are
-not trainable; `unpack` gives a trainable `Experts` with the same weights.
+`PackedExperts` stores each expert as compressed-tensors tensors — ``packed.E.w1`` (gate), ``w3`` (up), ``w2``
+(down), each ``weight_packed`` uint8 ``[out, in/2]`` + ``weight_scale`` E8M0 ``[out, in/32]`` — and computes the
+layer as one operator (`experts_product`): up to `PackedExperts.KERNEL_ROWS` fp32 tokens on the CPU in one call of
+the packed-byte kernel (`k3.ops.mxfp4_kernel.experts`: each chosen expert's bytes read once, never decoded to
+floats), else the dispatch of `k3.model.width.Experts` (sort by expert, one product chain per chosen expert, its
+weights decoded exactly by `k3.ops.mx.dequantize` unless the kernel takes its few rows). The operator reads every
+expert's bytes stacked (`PackedExperts.stack`, made on first use; the per-expert tensors become views of them, so
+the bytes are held once). The buffers are not trainable; `unpack` gives a trainable `Experts` with the same weights.
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ import torch
 from torch import Tensor, nn
 
 from k3.config import MXConfig, SiTUConfig
-from k3.model.width import Experts
+from k3.model.width import Experts, gated, sorted_dispatch
 from k3.ops import mx, mxfp4_kernel
 
 PROJECTIONS = ("w1", "w2", "w3")  # gate [F, W], down [W, F], up [F, W] as the release names them
+STACKED = ("gate_up_packed", "gate_up_scale", "down_packed", "down_scale")
 
 
 def kernel_runs(x: Tensor) -> bool:
@@ -29,27 +31,43 @@ def kernel_runs(x: Tensor) -> bool:
     return x.shape[0] <= PackedExperts.KERNEL_ROWS and mxfp4_kernel.available(x)
 
 
-@torch.library.custom_op("k3::mxfp4_pair_products", mutates_args=())
-def pair_products(xs: Tensor, packed: Tensor, scale: Tensor, pairs: Tensor) -> Tensor:
-    """Row m of ``xs`` ``[M, K]`` times the MXFP4 weight ``(packed [E, N, K/2], scale [E, N, K/32])[pairs[m]]``
-    transposed: ``[M, N]`` in ``xs.dtype``. The rows of each expert together: up to `PackedExperts.KERNEL_ROWS` fp32
-    rows on the CPU through the packed-byte kernel (its bytes read once, never decoded), else the decoded weights
-    times the rows. An operator of its own, so a compiled step calls it as one node (which experts it reads depends
-    on the routing, which a graph cannot)."""
-    out = xs.new_empty(xs.shape[0], packed.shape[1])
-    for e in pairs.unique().tolist():
-        rows = (pairs == e).nonzero().squeeze(1)
-        x = xs.index_select(0, rows)
-        if kernel_runs(x):
-            out[rows] = mxfp4_kernel.gemv(x, packed[e], scale[e])
-        else:
-            out[rows] = x @ mx.dequantize(packed[e], scale[e], x.dtype).T
-    return out
+def product(x: Tensor, packed: Tensor, scale: Tensor) -> Tensor:
+    """``x @ W.T`` for the MXFP4 weight ``W = (packed, scale)``: through the kernel where `kernel_runs`, else on the
+    weights decoded into ``x.dtype``."""
+    return mxfp4_kernel.gemv(x, packed, scale) if kernel_runs(x) else x @ mx.dequantize(packed, scale, x.dtype).T
 
 
-@pair_products.register_fake
-def _(xs: Tensor, packed: Tensor, scale: Tensor, pairs: Tensor) -> Tensor:
-    return xs.new_empty(xs.shape[0], packed.shape[1])
+def expert_product(e: int, xs: Tensor, gate_up: tuple[Tensor, Tensor], down: tuple[Tensor, Tensor],
+                   activation: str, caps: tuple[float, float], input_format: str | None) -> Tensor:
+    """Expert ``e`` of the stacked packed weights on its tokens ``xs`` ``[n, W]``, its matmul inputs MX
+    fake-quantized when ``input_format`` is set: the products `Experts.expert` computes on the decoded weights."""
+    def inputs(t: Tensor) -> Tensor:
+        return t if input_format is None else mx.fake_quantize(t, input_format)
+
+    gate, up = product(inputs(xs), gate_up[0][e], gate_up[1][e]).chunk(2, dim=-1)
+    return product(inputs(gated(gate, up, activation, *caps)), down[0][e], down[1][e])
+
+
+@torch.library.custom_op("k3::mxfp4_experts", mutates_args=())
+def experts_product(x: Tensor, weights: Tensor, indices: Tensor, gate_up_packed: Tensor, gate_up_scale: Tensor,
+                    down_packed: Tensor, down_scale: Tensor, activation: str, gate_cap: float, up_cap: float,
+                    input_format: str) -> Tensor:
+    """`Experts.forward` on stacked packed weights (`PackedExperts.stack`; ``input_format`` "" for none): ``[N, W]``
+    in ``x.dtype``. Up to `PackedExperts.KERNEL_ROWS` fp32 CPU tokens without MX inputs go through
+    `k3.ops.mxfp4_kernel.experts` in one call; else `sorted_dispatch` of `expert_product`. One operator, so a
+    compiled step calls it as one node (which experts it reads depends on the routing, which a graph cannot)."""
+    gate_up, down = (gate_up_packed, gate_up_scale), (down_packed, down_scale)
+    if not input_format and weights.dtype == torch.float32 and kernel_runs(x):
+        return mxfp4_kernel.experts(x, weights, indices, gate_up, down, activation, gate_cap, up_cap)
+    return sorted_dispatch(x, weights, indices, gate_up_packed.shape[0], lambda e, xs: expert_product(
+        e, xs, gate_up, down, activation, (gate_cap, up_cap), input_format or None))
+
+
+@experts_product.register_fake
+def _(x: Tensor, weights: Tensor, indices: Tensor, gate_up_packed: Tensor, gate_up_scale: Tensor,
+      down_packed: Tensor, down_scale: Tensor, activation: str, gate_cap: float, up_cap: float,
+      input_format: str) -> Tensor:
+    return x.new_empty(x.shape)
 
 
 class PackedLinear(nn.Module):
@@ -77,9 +95,9 @@ class PackedExperts(Experts):
     """`Experts` whose weights stay MXFP4-packed; never the all-experts dense path (it would decode every one).
 
     ``input_format`` (an MXFP8 format or None) quantizes the experts' matmul inputs as `Experts` does with MX
-    on, so a packed model computes exactly what its fake-quantized float model computes (SPEC §7). In a compiled step
-    (`Experts._gathered`, after `stack`) its products are one operator of the graph (`pair_products`): static shapes,
-    no graph break.
+    on, so a packed model computes exactly what its fake-quantized float model computes (SPEC §7). The layer is one
+    operator (`experts_product`) in eager and compiled steps alike: static shapes, no graph break. Where a gradient
+    is needed (of the inputs or the routing weights) it is `sorted_dispatch` of `expert` on decoded weights.
     """
 
     DENSE_LIMIT = 0
@@ -93,6 +111,7 @@ class PackedExperts(Experts):
         self.num_experts, self.width, self.hidden = n_experts, width, hidden
         self.weight_format, self.input_format = "mxfp4", input_format
         self.packed = nn.ModuleList(PackedExpert(width, hidden) for _ in range(n_experts))
+        self.register_load_state_dict_post_hook(PackedExperts._unstack)
 
     @classmethod
     def like(cls, experts: Experts) -> PackedExperts:
@@ -103,15 +122,21 @@ class PackedExperts(Experts):
     def reset_parameters(self) -> None:
         """Packed weights are data, not initialised parameters."""
 
+    def forward(self, x: Tensor, weights: Tensor, indices: Tensor) -> Tensor:
+        """x [N, W], weights [N, k], indices [N, k] → Σ_j weights_j · Expert_{indices_j}(x), [N, W] in x.dtype."""
+        self.stack()
+        if torch.is_grad_enabled() and (x.requires_grad or weights.requires_grad):
+            return sorted_dispatch(x, weights, indices, self.num_experts, self.expert)
+        return torch.ops.k3.mxfp4_experts(x, weights, indices, *(getattr(self, name) for name in STACKED),
+                                          self.activation, self.gate_cap, self.up_cap, self.input_format or "")
+
     def expert(self, e: int, xs: Tensor) -> Tensor:
-        """Expert ``e`` on its tokens ``xs`` ``[n, W]``: up to ``KERNEL_ROWS`` fp32 rows on the CPU through the
-        packed-byte kernel (`k3.ops.mxfp4_kernel`), which never decodes the weights to floats; otherwise (or without
-        the kernel) the weights decoded, then a matmul."""
-        if not kernel_runs(xs):
-            return super().expert(e, xs)
-        x, p = self._input(xs), self.packed[e]
-        gate, up = (mxfp4_kernel.gemv(x, w.weight_packed, w.weight_scale) for w in (p.w1, p.w3))
-        return mxfp4_kernel.gemv(self._input(self.activate(gate, up)), p.w2.weight_packed, p.w2.weight_scale)
+        """Expert ``e`` on its tokens ``xs`` ``[n, W]`` (`expert_product`): up to ``KERNEL_ROWS`` fp32 rows on the CPU
+        through the packed-byte kernel, which never decodes the weights to floats; otherwise the weights decoded,
+        then a matmul."""
+        self.stack()
+        return expert_product(e, xs, (self.gate_up_packed, self.gate_up_scale), (self.down_packed, self.down_scale),
+                              self.activation, (self.gate_cap, self.up_cap), self.input_format)
 
     def expert_weights(self, e: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """Expert ``e``'s weights decoded exactly into ``dtype``: ``(cat(w1, w3) [2F, W], w2 [W, F])``."""
@@ -119,21 +144,28 @@ class PackedExperts(Experts):
         return torch.cat([p.w1.weight(dtype), p.w3.weight(dtype)]), p.w2.weight(dtype)
 
     def stack(self) -> None:
-        """Stacked copies of every expert's packed bytes and scales (non-persistent buffers: the packed experts'
-        memory once more), which a compiled step's `pair_products` reads; built once, before the first trace."""
+        """Every expert's packed bytes and scales stacked, as `experts_product` reads them (non-persistent buffers
+        `STACKED`: ``gate_up`` = cat(w1, w3) ``[E, 2F, ·]``, ``down`` = w2 ``[E, W, ·]``); each expert's own tensors
+        become views of them, so the bytes are held once. Made on first use (and before a compiled step's first
+        trace); loading a state dict drops them, to be made again from what was loaded."""
         if hasattr(self, "gate_up_packed"):
             return
-        for name, projections in (("gate_up", ("w1", "w3")), ("down", ("w2",))):
-            for kind in ("packed", "scale"):
-                self.register_buffer(f"{name}_{kind}", torch.stack([
-                    torch.cat([getattr(getattr(p, w), f"weight_{kind}") for w in projections]) for p in self.packed]),
-                    persistent=False)
+        with torch.inference_mode(False), torch.no_grad():  # ordinary tensors, whatever mode the first call runs in
+            for name, projections in (("gate_up", ("w1", "w3")), ("down", ("w2",))):
+                for kind in ("packed", "scale"):
+                    rows = [[getattr(getattr(p, w), f"weight_{kind}") for w in projections] for p in self.packed]
+                    stacked = torch.stack([torch.cat(parts) for parts in rows])
+                    self.register_buffer(f"{name}_{kind}", stacked, persistent=False)
+                    for e, p in enumerate(self.packed):
+                        for part, w in zip(stacked[e].split([t.shape[0] for t in rows[e]]), projections):
+                            setattr(getattr(p, w), f"weight_{kind}", part)
 
-    def _pair_product(self, name: str, xs: Tensor, pairs: Tensor) -> Tensor:
-        """Each row of ``xs`` times its expert's packed ``name`` weight (`pair_products`: one opaque operator in the
-        graph, the packed-byte kernel inside)."""
-        return torch.ops.k3.mxfp4_pair_products(xs, getattr(self, f"{name}_packed"), getattr(self, f"{name}_scale"),
-                                                pairs)
+    @staticmethod
+    def _unstack(module: nn.Module, incompatible_keys: object) -> None:
+        """A load-state-dict post-hook: drop the stacked bytes, which may no longer be what was loaded."""
+        for name in STACKED:
+            if hasattr(module, name):
+                delattr(module, name)
 
     @classmethod
     def pack(cls, experts: Experts) -> PackedExperts:

@@ -13,8 +13,8 @@ frozen and ~12 ms eager, on 2 cores).
 the source of the whole ``k3`` package, the torch and Python versions and this CPU's feature flags — anything that
 could make a graph compute something else. Inside, a file per shape key (`CompiledStep`'s). A graph is chosen by that
 key, not by dynamo's guards (they do not survive serialization: a loaded graph's guards fail on dynamic dimensions),
-as a warm `CompiledStep` already skips them. Packed MXFP4 experts are precompiled like the rest: their products are one
-custom operator of the graph (`k3.model.packed.pair_products`).
+as a warm `CompiledStep` already skips them. Packed MXFP4 experts are precompiled like the rest: each layer of them is
+one custom operator of the graph (`k3.model.packed.experts_product`).
 """
 
 from __future__ import annotations

@@ -131,6 +131,13 @@ class Shards:
                                 offset=entry.start).view(entry.shape)
 
 
+def owned(t: Tensor) -> Tensor:
+    """``t`` detached and contiguous in a storage of its own: safetensors refuses tensors that share one (such as
+    `k3.model.packed.PackedExperts`' per-expert views of their stacked bytes)."""
+    t = t.detach().contiguous()
+    return t if t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.nbytes else t.clone()
+
+
 def write_shards(directory: str | os.PathLike, tensors: dict[str, Tensor], max_shard_bytes: int = 5 * 2**30,
                  prefix: str = "model") -> list[Path]:
     """Write ``tensors`` as ``prefix-0000i-of-0000n.safetensors`` (in order, each at most ``max_shard_bytes``
@@ -144,7 +151,7 @@ def write_shards(directory: str | os.PathLike, tensors: dict[str, Tensor], max_s
         if groups[-1] and size + nbytes > max_shard_bytes:
             groups.append({})
             size = 0
-        groups[-1][name] = t.contiguous()
+        groups[-1][name] = owned(t)
         size += nbytes
     paths, weight_map = [], {}
     for i, group in enumerate(groups, 1):

@@ -33,10 +33,29 @@ def situ(gate: Tensor, up: Tensor, gate_cap: float, up_cap: float) -> Tensor:
     return soft_cap(gate, gate_cap) * torch.sigmoid(gate) * soft_cap(up, up_cap)
 
 
-def _activate(gate: Tensor, up: Tensor, activation: str, gate_cap: float, up_cap: float) -> Tensor:
+def gated(gate: Tensor, up: Tensor, activation: str, gate_cap: float, up_cap: float) -> Tensor:
+    """The gated activation of ``gate`` and ``up`` (SPEC Eq. 18): `situ` with its caps, or SwiGLU."""
     if activation == "situ":
         return situ(gate, up, gate_cap, up_cap)
     return F.silu(gate) * up
+
+
+def sorted_dispatch(x: Tensor, weights: Tensor, indices: Tensor, num_experts: int,
+                    expert: Callable[[int, Tensor], Tensor]) -> Tensor:
+    """``Σ_j weights_j · expert(indices_j, x)`` for x [N, W], weights and indices [N, k] (SPEC §9): the N·k pairs
+    sorted by expert (stable), ``expert(e, xs)`` once per expert with pairs on its contiguous slice, outputs scaled
+    by the pair weight and scatter-added back per token in ``promote(x.dtype, weights.dtype)``; [N, W] in x.dtype."""
+    n_tokens, k = indices.shape
+    flat = indices.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    token = order // k
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    outputs = [expert(e, xs) for e, xs in enumerate(x[token].split(counts)) if xs.shape[0]]
+    acc = torch.promote_types(x.dtype, weights.dtype)
+    y = torch.cat(outputs) if outputs else x.new_zeros(0, x.shape[-1])  # outputs is empty iff N = 0
+    y = y.to(acc) * weights.reshape(-1)[order, None].to(acc)
+    out = torch.zeros(n_tokens, x.shape[-1], dtype=acc, device=x.device)
+    return out.index_add_(0, token, y).to(x.dtype)
 
 
 def _check_activation(activation: str) -> None:
@@ -71,7 +90,7 @@ class GLU(nn.Module):
 
     def down(self, gate: Tensor, up: Tensor) -> Tensor:
         """The output from the gate and up projections ``x W_gate``, ``x W_up``."""
-        return self.down_proj(_activate(gate, up, self.activation, self.gate_cap, self.up_cap))
+        return self.down_proj(gated(gate, up, self.activation, self.gate_cap, self.up_cap))
 
 
 def top_k_sorted(values: Tensor, k: int) -> Tensor:
@@ -197,16 +216,7 @@ class Experts(nn.Module):
         mx_on = self.weight_format is not None or self.input_format is not None
         if not mx_on and self.num_experts <= n_tokens * k and n_tokens * self.num_experts <= self.DENSE_LIMIT:
             return self._dense(x, weights, indices)
-        flat = indices.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        token = order // k
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        outputs = [self.expert(e, xs) for e, xs in enumerate(x[token].split(counts)) if xs.shape[0]]
-        acc = torch.promote_types(x.dtype, weights.dtype)
-        y = torch.cat(outputs) if outputs else x.new_zeros(0, x.shape[-1])  # outputs is empty iff N = 0
-        y = y.to(acc) * weights.reshape(-1)[order, None].to(acc)
-        out = torch.zeros(n_tokens, x.shape[-1], dtype=acc, device=x.device)
-        return out.index_add_(0, token, y).to(x.dtype)
+        return sorted_dispatch(x, weights, indices, self.num_experts, self.expert)
 
     def expert(self, e: int, xs: Tensor) -> Tensor:
         """Expert ``e`` on its tokens ``xs`` ``[n, W]``."""
@@ -216,7 +226,7 @@ class Experts(nn.Module):
 
     def activate(self, gate: Tensor, up: Tensor) -> Tensor:
         """The experts' gated activation (SiTU or SwiGLU, SPEC Eq. 18) of ``gate`` and ``up``."""
-        return _activate(gate, up, self.activation, self.gate_cap, self.up_cap)
+        return gated(gate, up, self.activation, self.gate_cap, self.up_cap)
 
     def expert_weights(self, e: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """Expert ``e``'s ``(gate_up [2F, W], down [W, F])`` as it computes: MX fake-quantized (blocks along
@@ -245,7 +255,7 @@ class Experts(nn.Module):
         (n, k), pairs = indices.shape, indices.flatten()
         xs = self._input(x).repeat_interleave(k, 0)  # [N·k, W]
         gate, up = self._pair_product("gate_up", xs, pairs).split(self.hidden, dim=-1)
-        h = self._input(_activate(gate, up, self.activation, self.gate_cap, self.up_cap))
+        h = self._input(gated(gate, up, self.activation, self.gate_cap, self.up_cap))
         acc = torch.promote_types(x.dtype, weights.dtype)
         y = self._pair_product("down", h, pairs).to(acc).view(n, k, -1)
         return (y * weights.to(acc).unsqueeze(-1)).sum(1).to(x.dtype)
@@ -256,7 +266,7 @@ class Experts(nn.Module):
         acc = torch.promote_types(x.dtype, weights.dtype)
         gate, up = (x @ self.gate_up.reshape(E * 2 * self.hidden, W).T).view(N, E, 2 * self.hidden).split(
             self.hidden, dim=-1)
-        h = _activate(gate, up, self.activation, self.gate_cap, self.up_cap)  # [N, E, F]
+        h = gated(gate, up, self.activation, self.gate_cap, self.up_cap)  # [N, E, F]
         y = torch.bmm(h.transpose(0, 1), self.down.transpose(1, 2)).to(acc)  # [E, N, W]
         mix = torch.zeros(N, E, dtype=acc, device=x.device).scatter_add_(1, indices, weights.to(acc))
         return torch.einsum("enw,ne->nw", y, mix).to(x.dtype)
