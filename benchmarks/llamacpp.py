@@ -22,7 +22,8 @@ converter's own Kimi vocabulary branch with the pre-tokenizer named ``kimi-k2`` 
 feeds token ids, so the vocabulary does not enter the timings.
 
 Rows, per checkpoint and batch: decode tokens/s (after a 32-token prompt, greedy, each step feeding the last
-argmax; the median over 5 blocks of 32 steps) of llama.cpp (its low-level API: one ``llama_decode`` per step, the
+argmax; the median over 5 blocks of 32 steps; each engine measured ``--rounds`` times, alternated, and the medians
+reported, the ratios as the median of each round's) of llama.cpp (its low-level API: one ``llama_decode`` per step, the
 batch as ``batch`` sequences), of kimi-k3 eager and of kimi-k3 compiled (`k3.model.compiled.CompiledModel`, tuned:
 what ``k3 generate --compile`` and ``k3 serve --compile`` decode with; its compilation is timed apart), all on
 ``--threads`` threads. Agreement, per checkpoint at batch 1: the prompt's next-token logits of llama.cpp against
@@ -36,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tarfile
@@ -50,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from harness import machine, table, write_results  # noqa: E402
 from kimi_fixtures import kimi_config  # noqa: E402
 from llamacpp_peer import AGREE_TOKENS, PROMPT, prompt  # noqa: E402
-from model import k3_compiled_decode, k3_decode_tokens_per_s  # noqa: E402
+from model import compiled_decoder, k3_decode_tokens_per_s  # noqa: E402
 from startup import wide  # noqa: E402
 
 from k3 import K3ForCausalLM  # noqa: E402
@@ -195,6 +197,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="threads for both engines (default %(default)s)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rounds", type=int, default=3, help="alternated measurements of each engine (median)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     tree = llama_cpp_source()
@@ -205,16 +208,23 @@ def main() -> None:
             gguf = convert(tree, release, Path(work) / f"{kind}.gguf")
             model = K3ForCausalLM.from_pretrained(release)
             for batch in args.batches:
-                peer = run_llama(gguf, batch, args.threads, args.seed)
-                if batch == 1 and "error" not in peer:
-                    agreement[kind] = k3_agreement(model, args.seed, peer)
-                eager = k3_decode_tokens_per_s(model, batch, PROMPT)
-                compiled, compile_s = k3_compiled_decode(model, batch, PROMPT)
-                row = {"experts": kind, "batch": batch, "llama_cpp": peer.get("tokens_per_s"),
-                       "k3_eager": eager, "k3_compiled": compiled, "compile_s": compile_s,
-                       "compiled_vs_llama_cpp": compiled / peer["tokens_per_s"] if "tokens_per_s" in peer else None,
-                       "eager_vs_llama_cpp": eager / peer["tokens_per_s"] if "tokens_per_s" in peer else None,
-                       "error": peer.get("error")}
+                compiled, compile_s = compiled_decoder(model, batch, PROMPT)
+                rounds, peers = [], []
+                for _ in range(args.rounds):  # alternated, so a slow spell of the shared machine hits both engines
+                    peers.append(run_llama(gguf, batch, args.threads, args.seed))
+                    if "error" in peers[-1]:
+                        break
+                    rounds.append((peers[-1]["tokens_per_s"], k3_decode_tokens_per_s(model, batch, PROMPT),
+                                   compiled()))
+                if batch == 1 and rounds:
+                    agreement[kind] = k3_agreement(model, args.seed, peers[0])
+                row = {"experts": kind, "batch": batch, "rounds": rounds, "compile_s": compile_s,
+                       "error": peers[-1].get("error") if peers else None}
+                if rounds:
+                    llama, eager, ours = (statistics.median(r[i] for r in rounds) for i in range(3))
+                    row.update(llama_cpp=llama, k3_eager=eager, k3_compiled=ours,
+                               compiled_vs_llama_cpp=statistics.median(r[2] / r[0] for r in rounds),
+                               eager_vs_llama_cpp=statistics.median(r[1] / r[0] for r in rounds))
                 rows.append(row)
                 print(row, flush=True)
             torch.compiler.reset()

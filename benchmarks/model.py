@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -77,22 +78,35 @@ def k3_decode_tokens_per_s(model: K3ForCausalLM, batch: int, context: int, steps
         return timed_decode(step, batch, steps)
 
 
-def k3_compiled_decode(model: K3ForCausalLM, batch: int, context: int, steps: int = 32) -> tuple[float, float]:
-    """`k3_decode_tokens_per_s` with the compiled decode step (`k3.model.compiled.CompiledModel`, tuned: ``k3
-    generate --compile``): (tokens/s, seconds of the first call — compilation or inductor's disk cache)."""
+def compiled_decoder(model: K3ForCausalLM, batch: int, context: int,
+                     steps: int = 32) -> tuple[Callable[[], float], float]:
+    """The compiled decode step (`k3.model.compiled.CompiledModel`, tuned: ``k3 generate --compile``) at ``batch``:
+    (a function giving its tokens/s after a fresh ``context``-token prefill, `timed_decode`, as often as called;
+    seconds of its first call — compilation or inductor's disk cache)."""
     from k3.model.compiled import CompiledModel
 
     compiled = CompiledModel(model)
-    token, state = prefilled(model, batch, context)
-    held = [token, state]
+    held: list = []
 
     def step() -> None:
         logits, held[1] = compiled.decode(held[0], held[1])
         held[0] = logits[:, -1].argmax(-1, keepdim=True)
 
+    def rate() -> float:
+        held[:] = prefilled(model, batch, context)
+        step()
+        return timed_decode(step, batch, steps)
+
+    held[:] = prefilled(model, batch, context)
     step()  # compiles (or loads inductor's on-disk cache)
-    step()
-    return timed_decode(step, batch, steps), sum(compiled.compile_seconds.values())
+    return rate, sum(compiled.compile_seconds.values())
+
+
+def k3_compiled_decode(model: K3ForCausalLM, batch: int, context: int, steps: int = 32) -> tuple[float, float]:
+    """`k3_decode_tokens_per_s` with the compiled decode step (`compiled_decoder`): (tokens/s, seconds of the
+    first call — compilation or inductor's disk cache)."""
+    rate, compile_s = compiled_decoder(model, batch, context, steps)
+    return rate(), compile_s
 
 
 def operator_profile(model: K3ForCausalLM, context: int, steps: int = 20, top: int = 12) -> list[dict]:

@@ -25,7 +25,7 @@ Everything runs on ``--threads`` torch threads (default 1): with two, OpenMP's s
 operators 10–20× slower whenever another process is busy on the machine (`k3.train.threads`), and a fixed count
 keeps FP and QAT numerically comparable.
 
-    python benchmarks/mx.py                      # ~18 min on 2 cores (one busy with other work)
+    python benchmarks/mx.py                      # ~20 min on 2 cores
     python benchmarks/mx.py --steps 30 --decode-tokens 16   # a quick look
 """
 

@@ -137,11 +137,12 @@ def test_compiled_decode_of_a_qat_model_equals_eager():
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
 def test_compiled_steps_of_a_packed_model_equal_eager_and_compile_nothing_after_warm_up(mode):
-    """Packed MXFP4 experts (the release's layout) in a compiled step: each token–expert pair decodes its gathered
-    packed bytes inside the graph, so a step is one graph (before: the dispatch ran eagerly between graph pieces, one
+    """Packed MXFP4 experts (the release's layout) in a compiled step: each layer of them is one operator of the
+    graph (`k3::mxfp4_experts`), so a step is one graph (before: the dispatch ran eagerly between graph pieces, one
     more piece per MoE layer), and steps whose routings differ reuse the warm graphs (before that: each new routing
     needed a graph, and "Recompilation triggered with skip_guard_eval_unsafe stance" ended the loop), under no_grad
-    and inference_mode alike (issue 37)."""
+    and inference_mode alike, the `CompiledModel` made inside the mode too (issue 37; before, stacking the experts'
+    bytes there made inference tensors, whose versions its weight check cannot read)."""
     from torch._dynamo.utils import counters
 
     from k3.model.packed import PackedExperts, replace_experts
@@ -149,10 +150,10 @@ def test_compiled_steps_of_a_packed_model_equal_eager_and_compile_nothing_after_
     counters.clear()
     torch.manual_seed(0)
     model = replace_experts(K3ForCausalLM(preset("tiny")).eval(), PackedExperts.pack)
-    compiled = CompiledModel(model, sizes=(4, 1), tuned=False)
-    built = []
+    compiled, built = None, []
     for prompt in ([5, 9, 3, 7, 11, 2, 8, 4], [40, 1, 77, 30, 6, 6, 19, 23]):  # the second: other routings
         with mode():
+            compiled = compiled or CompiledModel(model, sizes=(4, 1), tuned=False)
             logits, state = compiled(torch.tensor([prompt]), model.new_state(1))
             eager_logits, eager = model(torch.tensor([prompt]), state=model.new_state(1))
             for _ in range(12):
