@@ -168,6 +168,35 @@ def test_compiled_steps_of_a_packed_model_equal_eager_and_compile_nothing_after_
 
 
 @pytest.mark.slow
+def test_a_tuned_packed_step_follows_expert_bytes_written_in_place_and_weights_loaded():
+    """Tuned graphs freeze the packed experts' stacked bytes. A write through one expert's own tensor (a view of the
+    stack) must rebuild them, and so must a state dict loaded with ``assign``, which the experts stack anew (before:
+    the graph kept the stack made at compile time and gave the old model's logits)."""
+    from k3.model.packed import PackedExperts, replace_experts
+
+    torch.manual_seed(0)
+    model, other = (replace_experts(K3ForCausalLM(preset("tiny")).eval(), PackedExperts.pack) for _ in range(2))
+    compiled = CompiledModel(model, sizes=(4, 1))
+    prompt = torch.tensor([[5, 9, 3, 7, 11, 2, 8, 4]])
+    before, fast, worst = _generate_both(model, compiled, prompt, steps=4)
+    assert fast == before and worst < LOGIT_TOLERANCE
+    built = compiled.decode_step.compilations
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, PackedExperts):
+                for expert in module.packed:
+                    expert.w2.weight_scale.add_(2)  # every down projection × 4, in place
+    eager, fast, worst = _generate_both(model, compiled, prompt, steps=4)
+    assert fast == eager and worst < LOGIT_TOLERANCE
+    assert compiled.decode_step.compilations == built + 1
+    with torch.no_grad():
+        model.load_state_dict(other.state_dict(), assign=True)
+        assert torch.equal(model(prompt)[0], other(prompt)[0])
+    eager, fast, worst = _generate_both(model, compiled, prompt, steps=4)
+    assert fast == eager and worst < LOGIT_TOLERANCE
+
+
+@pytest.mark.slow
 def test_a_packed_model_is_precompiled_and_a_second_model_loads_its_graphs(tmp_path, monkeypatch):
     """Precompiled steps of a packed MXFP4 model (before: refused, its dispatch broke the graph): compiled and saved
     once, loaded by a second `CompiledModel` without compiling; both give eager's logits and tokens."""

@@ -248,6 +248,7 @@ def test_stacked_packed_experts_hold_their_bytes_once_and_follow_what_is_loaded(
     assert saved.keys() == first.state_dict().keys() and torch.equal(saved["packed.2.w3.weight_packed"], w3)
     with torch.no_grad():
         first.load_state_dict(second.state_dict(), assign=True)
+        assert torch.equal(first.gate_up_packed[2, 32:], second.packed[2].w3.weight_packed)  # stacked anew
         assert torch.equal(first(x, weights, indices), second(x, weights, indices))
         first.load_state_dict(saved)
         assert torch.equal(first(x, weights, indices), before)

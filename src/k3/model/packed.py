@@ -111,7 +111,7 @@ class PackedExperts(Experts):
         self.num_experts, self.width, self.hidden = n_experts, width, hidden
         self.weight_format, self.input_format = "mxfp4", input_format
         self.packed = nn.ModuleList(PackedExpert(width, hidden) for _ in range(n_experts))
-        self.register_load_state_dict_post_hook(PackedExperts._unstack)
+        self.register_load_state_dict_post_hook(PackedExperts._restack)
 
     @classmethod
     def like(cls, experts: Experts) -> PackedExperts:
@@ -147,7 +147,7 @@ class PackedExperts(Experts):
         """Every expert's packed bytes and scales stacked, as `experts_product` reads them (non-persistent buffers
         `STACKED`: ``gate_up`` = cat(w1, w3) ``[E, 2F, ·]``, ``down`` = w2 ``[E, W, ·]``); each expert's own tensors
         become views of them, so the bytes are held once. Made on first use (and before a compiled step's first
-        trace); loading a state dict drops them, to be made again from what was loaded."""
+        trace), and made again from what a state dict loads."""
         if hasattr(self, "gate_up_packed"):
             return
         with torch.inference_mode(False), torch.no_grad():  # ordinary tensors, whatever mode the first call runs in
@@ -161,11 +161,13 @@ class PackedExperts(Experts):
                             setattr(getattr(p, w), f"weight_{kind}", part)
 
     @staticmethod
-    def _unstack(module: nn.Module, incompatible_keys: object) -> None:
-        """A load-state-dict post-hook: drop the stacked bytes, which may no longer be what was loaded."""
-        for name in STACKED:
-            if hasattr(module, name):
+    def _restack(module: nn.Module, incompatible_keys: object) -> None:
+        """A load-state-dict post-hook: stack what was loaded anew (assigned tensors are not in the old stack), so
+        the stacked buffers a compiled step reads are there and current."""
+        if hasattr(module, STACKED[0]):
+            for name in STACKED:
                 delattr(module, name)
+            module.stack()
 
     @classmethod
     def pack(cls, experts: Experts) -> PackedExperts:
