@@ -2,7 +2,7 @@
  * per byte (element 2i in the low nibble), one E8M0 scale byte per 32 elements along K. Each weight byte is read
  * once per call, for every row of x: a small batch decodes each block once and multiplies it by all its rows.
  * `mxfp4_experts` runs a whole routed-experts layer this way in one call: gate and up, the gated activation, down,
- * and the routing-weighted sum, each chosen expert's bytes read once for all its tokens.
+ * and the routing-weighted sum, each chosen expert's bytes read once for up to MAX_ROWS (16) of its tokens.
  *
  * A block's 16 bytes give 16 lanes of low-nibble values, for x's even elements, and 16 of high-nibble values, for
  * its odd ones: x is read split into its even and odd elements (copied so once per call). With AVX-512 a nibble
