@@ -16,6 +16,7 @@ import torch
 import serving
 from k3 import K3ForCausalLM
 from k3.config import preset
+from k3.model import onednn
 from k3.model.compiled import CompiledModel, pieces
 from k3.model.sequence.mla import MLACache
 from k3.model.state import DecoderState
@@ -71,6 +72,29 @@ def test_compiled_prefill_and_decode_equal_eager_with_one_graph_per_shape_key():
         compiled(torch.tensor([[10**6]]), model.new_state(1))
     with pytest.raises(ValueError, match=r"\[B, T\]"):
         compiled.decode_step(torch.zeros(1, 1, 3), model.new_state(1))
+
+
+@pytest.mark.parametrize("inference_first", [False, True])
+def test_a_state_made_in_one_grad_mode_decodes_on_warm_graphs_in_the_other(inference_first):
+    """A state (and ids) made under ``no_grad`` decodes inside ``torch.inference_mode()``, and one made inside it
+    decodes under ``no_grad``: each step's inputs are the mode's own kind of tensor, so a warm graph's guards hold.
+    Before, the second step failed ("Recompilation triggered with skip_guard_eval_unsafe"): its inputs were
+    inference tensors where the graph had been traced on normal ones, or the other way round."""
+    model = serving.model()
+    compiled = CompiledModel(model, tuned=False)
+    prompt = torch.tensor([serving.prompts()[5][:12]])
+    made, stepped = ((torch.inference_mode, torch.no_grad) if inference_first else
+                     (torch.no_grad, torch.inference_mode))
+    with made():
+        logits, state = model(prompt, state=model.new_state(1))
+        token = logits[:, -1].argmax(-1, keepdim=True)
+    eager = state
+    with stepped():
+        for _ in range(4):
+            (fast, state), (slow, eager) = compiled.decode(token, state), model(token, state=eager)
+            assert float((fast - slow).abs().max()) < LOGIT_TOLERANCE
+            token = slow[:, -1].argmax(-1, keepdim=True)
+    assert compiled.compilations == 1 and compiled.eager_calls == 0
 
 
 def test_tuned_decode_equals_eager_and_recompiles_when_the_frozen_weights_change():
@@ -199,10 +223,12 @@ def test_a_tuned_packed_step_follows_expert_bytes_written_in_place_and_weights_l
 @pytest.mark.slow
 def test_a_packed_model_is_precompiled_and_a_second_model_loads_its_graphs(tmp_path, monkeypatch):
     """Precompiled steps of a packed MXFP4 model (before: refused, its dispatch broke the graph): compiled and saved
-    once, loaded by a second `CompiledModel` without compiling; both give eager's logits and tokens."""
+    once, loaded by a second `CompiledModel` without compiling; both give eager's logits and tokens, and the loaded
+    graphs take their products by weights through oneDNN (``k3::linear``) and their experts through the kernel."""
     from k3.model.packed import PackedExperts, replace_experts
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(onednn, "MIN_ELEMENTS", 0)  # every product by a weight through oneDNN: none is 2^20 here
     torch.manual_seed(0)
     model = replace_experts(K3ForCausalLM(preset("tiny")).eval(), PackedExperts.pack)
     prompt = torch.tensor([[5, 9, 3, 7, 11, 2, 8, 4, 40, 1, 77]])
@@ -215,6 +241,9 @@ def test_a_packed_model_is_precompiled_and_a_second_model_loads_its_graphs(tmp_p
         assert fast == eager and worst < LOGIT_TOLERANCE
         assert compiled.eager_calls == 0 and compiled.graph_calls > 0
     assert len(list((tmp_path / "k3" / "graphs").rglob("*.pt2"))) == 3
+    with torch.inference_mode(), torch.profiler.profile() as profile:  # the loaded graphs' products: oneDNN's
+        compiled.step(prompt[:, -1:], model(prompt[:, :-1], state=model.new_state(1))[1])
+    assert {"k3::linear", "k3::mxfp4_experts"} <= {event.key for event in profile.key_averages()}
 
 
 @pytest.mark.slow

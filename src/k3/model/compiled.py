@@ -154,9 +154,12 @@ class CompiledStep:
         return out
 
     def _options(self) -> dict:
-        """Inductor's options for a new graph: dynamo reads ``freezing`` while it traces, inductor on first call."""
+        """Inductor's options for a new graph: dynamo reads ``freezing`` while it traces, inductor on first call.
+        Untuned, the products by weights (graph inputs) run through oneDNN (`k3.model.onednn`)."""
         if not self.tuned:
-            return {}
+            from k3.model.onednn import ONEDNN
+
+            return {"post_grad_custom_pre_pass": ONEDNN}
         if self.model.device.type != "cpu":  # a CUDA graph replays the launches: no C++ wrapper or GEMM search
             return {"freezing": True}
         return {"freezing": True, "max_autotune": True, "cpp_wrapper": True,  # the graph's calls made from C++ too
@@ -303,12 +306,15 @@ def _optional(t: Tensor | None) -> Tensor | None:
 
 def _canonical(t: Tensor) -> Tensor:
     """``t`` with a fresh tensor's strides (dynamo guards on every stride, size-1 dimensions' included): a slice of
-    a prompt or a ShortConv window cut from a chunk would otherwise make a graph of its own."""
+    a prompt or a ShortConv window cut from a chunk would otherwise make a graph of its own; and a tensor of the grad
+    mode's kind (an inference tensor inside `torch.inference_mode`, a normal one outside: dynamo guards on that too),
+    so a state made in one mode and stepped in the other runs on warm graphs."""
     expected, step = [], 1
     for size in reversed(t.shape):
         expected.append(step)
         step *= size
-    return t if t.stride() == tuple(reversed(expected)) else t.clone(memory_format=torch.contiguous_format)
+    fresh = t.stride() == tuple(reversed(expected)) and t.is_inference() == torch.is_inference_mode_enabled()
+    return t if fresh else t.clone(memory_format=torch.contiguous_format)
 
 
 def cached(state: DecoderState, tokens: int = 1) -> int:

@@ -6,7 +6,8 @@ what a later process needs to run it — dynamo's transformed bytecode and induc
 to compile it. The weights are *inputs* of these graphs, not constants frozen into them as in a tuned
 `k3.model.compiled.CompiledStep`: a file holds no weights (~4 MB), serves every checkpoint of one layout and stays
 valid when the weights change; the price is speed (a decode step of ``small`` at batch 1: ~5 ms, against ~2.2 ms
-frozen and ~12 ms eager, on 2 cores).
+frozen and ~12 ms eager, on 2 cores), as weights that are inputs cannot be prepacked: the products by the largest
+go through oneDNN instead of MKL (`k3.model.onednn`; a d=1024 model's step: 19.6 ms against 23.4, eager 34.5).
 
 `GraphFiles` keeps them under ``~/.cache/k3/graphs/<layout>/`` (``$XDG_CACHE_HOME``), one directory per
 `layout_digest`: the model's config, every parameter's and buffer's name, shape, dtype and device, the module classes,
@@ -83,6 +84,8 @@ class GraphFiles:
         digest missed, a truncated write, not a regular file or over `k3.files.DATA_LIMIT`) is a warning and None."""
         if not path.is_file():
             return None
+        from k3.model import onednn  # noqa: F401  (registers ``k3::linear``, which the graphs call)
+
         try:
             with open_regular(path, DATA_LIMIT) as f:
                 graph = torch.compiler.load_compiled_function(f, external_data={"model": self.model})
@@ -94,8 +97,14 @@ class GraphFiles:
         return graph
 
     def compile(self, fn: Callable, path: Path, input_ids: Tensor, state: DecoderState) -> Callable:
-        """Trace and compile ``fn(model, input_ids, state)`` as one graph, save it at ``path`` and return it."""
-        graph = torch.compile(fn, fullgraph=True, dynamic=False).aot_compile(((self.model, input_ids, state), {}))
+        """Trace and compile ``fn(model, input_ids, state)`` as one graph (its products by weights through oneDNN,
+        `k3.model.onednn`), save it at ``path`` and return it."""
+        from torch._inductor import config
+
+        from k3.model.onednn import ONEDNN
+
+        with config.patch(post_grad_custom_pre_pass=ONEDNN):
+            graph = torch.compile(fn, fullgraph=True, dynamic=False).aot_compile(((self.model, input_ids, state), {}))
         graph.disable_guard_check()
         path.parent.mkdir(parents=True, exist_ok=True)
         graph.save_compiled_function(str(path), external_data={"model": self.model})

@@ -114,10 +114,12 @@ class MLACache:
 
     def slots(self, tokens: int) -> MLASlots:
         """This cache's entries with room for ``tokens`` more written in place: in its own storage where it is the
-        longest cache viewing it and the storage has room, else in new storage."""
+        longest cache viewing it, the storage has room and is of the grad mode's kind (inference tensors inside
+        `torch.inference_mode`, which outside it cannot be written; normal ones outside, which a compiled step's
+        guards tell apart), else in new storage."""
         L, store = self.length, self.storage
         writable = (store is not None and store.length == L and store.latent.shape[1] >= L + tokens
-                    and (torch.is_inference_mode_enabled() or not store.latent.is_inference()))
+                    and store.latent.is_inference() == torch.is_inference_mode_enabled())
         if not writable:
             store = Storage.holding(self, L + tokens)
         return MLASlots(store.latent, store.shared_key, store.latent.new_empty(1).expand(L), store)
