@@ -4,8 +4,9 @@ One process builds the precompiled decode step (`CompiledModel.precompile`: the 
 model three times — the products by weights of `k3.model.onednn.MIN_ELEMENTS` (2^20) or more through oneDNN (the
 default), every product through oneDNN, and none (MKL, as before) — each into a graph directory of its own, and
 times them alternately (``--rounds``, medians) beside the eager step, on ``small`` and on ``small`` at d=1024
-(`startup.wide`), after a 32-token prompt, greedy. A batch-1 row also gives the rate its step reads the weight bytes
-of a token at, beside the machine's copy bandwidth. Graphs are compiled into a temporary directory (~7 minutes).
+(`startup.wide`), after a 32-token prompt, greedy. A row also gives the rate its step reads weights at
+(`gpu.step_bytes`: every weight but the routed experts, and the experts the batch is expected to pick), beside the
+machine's copy bandwidth. Graphs are compiled into a temporary directory (~7 minutes).
 
     python benchmarks/onednn.py      # ~10 min on 2 cores
 """
@@ -23,6 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu import step_bytes  # noqa: E402
 from harness import copy_gbps, machine, table, write_results  # noqa: E402
 from model import prefilled  # noqa: E402
 from startup import wide  # noqa: E402
@@ -34,18 +36,6 @@ from k3.model import onednn  # noqa: E402
 from k3.model.compiled import CompiledModel  # noqa: E402
 
 VARIANTS = {"oneDNN ≥ 2^20 (default)": onednn.MIN_ELEMENTS, "oneDNN, every product": 0, "MKL (no pass)": 2**62}
-
-
-def token_bytes(model: K3ForCausalLM) -> int:
-    """Weight bytes one decoded token reads: every matrix but the embedding table and the vision tower, and of the
-    routed experts only the chosen ones."""
-    config, total = model.config, 0
-    for name, weight in model.named_parameters():
-        if name.startswith(("embed_tokens", "vision")):
-            continue
-        share = config.moe.num_experts_per_token / config.moe.num_experts if ".experts." in name else 1
-        total += weight.numel() * weight.element_size() * share
-    return int(total)
 
 
 def decoder(model: K3ForCausalLM, threshold: int, batch: int, directory: Path) -> Callable:
@@ -89,21 +79,19 @@ def main() -> None:
     for model_name, config in (("small", preset("small")), ("d=1024", wide())):
         torch.manual_seed(0)
         model = K3ForCausalLM(config).eval()
-        per_token = token_bytes(model)
         for batch in map(int, args.batches.split(",")):
-            measured = rates(model, batch, args.rounds, work / model_name)
+            measured, step_mb = rates(model, batch, args.rounds, work / model_name), step_bytes(model, batch) / 1e6
             for name, rate in measured.items():
                 step_s = batch / rate
                 rows.append({"model": model_name, "batch": batch, "step": name, "tokens_per_s": round(rate, 1),
                              "step_ms": round(step_s * 1e3, 2), "vs_mkl": round(rate / measured["MKL (no pass)"], 2),
-                             "weights_gb_per_s": round(per_token / step_s / 1e9, 1) if batch == 1 else None,
-                             "token_mb": per_token / 1e6})
+                             "weights_gb_per_s": round(step_mb / step_s / 1e3, 1), "step_mb": round(step_mb, 1)})
             print(rows[-4:], flush=True)
     onednn.MIN_ELEMENTS = VARIANTS["oneDNN ≥ 2^20 (default)"]
     print(table(rows, [("model", "model"), ("batch", "batch"), ("step", "decode step"), ("step_ms", "ms a step"),
                        ("tokens_per_s", "tok/s"), ("vs_mkl", "× MKL"), ("weights_gb_per_s", "weights GB/s")]))
-    print(f"copy bandwidth (read): {bandwidth:.1f} GB/s; weight bytes a token reads: "
-          + ", ".join(f"{r['model']} {r['token_mb']:.0f} MB" for r in rows if r["step"] == "eager" and r["batch"] == 1))
+    print(f"copy bandwidth (read): {bandwidth:.1f} GB/s; weight bytes a step reads: "
+          + ", ".join(f"{r['model']} batch {r['batch']} {r['step_mb']:.0f} MB" for r in rows if r["step"] == "eager"))
     write_results("onednn", {"machine": machine(), "rows": rows, "copy_read_gb_per_s": bandwidth,
                              "rounds": args.rounds, "command": " ".join(sys.argv)})
 

@@ -5,9 +5,9 @@ leaves each matrix product to ``aten.mm``, which on CPU calls MKL. Decoding stre
 step runs at the speed its products read them: MKL's fp32 GEMV reads ~14 GB/s on two cores of this machine, where
 oneDNN's matmul reads the same plain row-major weights at ~22–26 GB/s (the 1024 × 1024 to 4096 × 1024 matrices of a
 d=1024 model, 1 to 64 rows). oneDNN costs ~15 µs a call more, which loses on small weights: ``small``'s precompiled
-decode step takes 5.8 ms with every product through it, 4.4 with MKL. So only weights of `MIN_ELEMENTS` (2^20, a
+decode step takes 5.8–6.4 ms with every product through it, 4.4–5.0 with MKL. So only weights of `MIN_ELEMENTS` (2^20, a
 1024 × 1024 matrix) or more go through it: ``small`` keeps MKL's speed, and a d=1024 model's step at batch 1 takes
-19.6 ms against 23.4 with MKL (eager 34.5; ``python benchmarks/onednn.py``, which also times every product through
+19.6 ms against 23.1–23.4 with MKL (eager 34.5; ``python benchmarks/onednn.py``, which also times every product through
 oneDNN).
 
 `ONEDNN`, an inductor post-grad pass, turns those ``mm`` / ``addmm`` of an fp32 CPU input by the transpose of a 2-D

@@ -7,7 +7,7 @@ to compile it. The weights are *inputs* of these graphs, not constants frozen in
 `k3.model.compiled.CompiledStep`: a file holds no weights (~4 MB), serves every checkpoint of one layout and stays
 valid when the weights change; the price is speed (a decode step of ``small`` at batch 1: ~5 ms, against ~2.2 ms
 frozen and ~12 ms eager, on 2 cores), as weights that are inputs cannot be prepacked: the products by the largest
-go through oneDNN instead of MKL (`k3.model.onednn`; a d=1024 model's step: 19.6 ms against 23.4, eager 34.5).
+go through oneDNN instead of MKL (`k3.model.onednn`; a d=1024 model's step: 19.6 ms against 23.1–23.4, eager 34.5).
 
 `GraphFiles` keeps them under ``~/.cache/k3/graphs/<layout>/`` (``$XDG_CACHE_HOME``), one directory per
 `layout_digest`: the model's config, every parameter's and buffer's name, shape, dtype and device, the module classes,
