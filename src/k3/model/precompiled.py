@@ -84,10 +84,12 @@ class GraphFiles:
         digest missed, a truncated write, not a regular file or over `k3.files.DATA_LIMIT`) is a warning and None."""
         if not path.is_file():
             return None
+        from torch._inductor import config
+
         from k3.model import onednn  # noqa: F401  (registers ``k3::linear``, which the graphs call)
 
-        try:
-            with open_regular(path, DATA_LIMIT) as f:
+        try:  # the directory is this CPU's (`layout_digest`): its vector ISAs need no build-and-dlopen probes
+            with open_regular(path, DATA_LIMIT) as f, config.patch({"cpp.vec_isa_ok": True}):
                 graph = torch.compiler.load_compiled_function(f, external_data={"model": self.model})
         except Exception as err:  # any failure to load means: compile it again
             warnings.warn(f"precompiled graph {path} did not load ({err!r}); compiling it again", RuntimeWarning,
