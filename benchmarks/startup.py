@@ -12,8 +12,10 @@ and when every graph was built. Rows: eager; ``--compile`` (background compilati
 ``--compile --compile-wait`` (warm: every graph built before listening, the previous behaviour).
 
 Then ``k3 generate --compile`` of 200 greedy tokens as a whole process (import, load, graphs, decoding), beside the
-same command without ``--compile``, cold (empty caches) and warm, on ``small`` and on a wider model of the same
-depth (d=1024, 162M parameters, where a step costs what the start-up does not).
+same command without ``--compile``: cold (empty caches), warm (the first warm run loads the graphs and records what
+that cost, `k3.model.payoff`), and warm again (that run loads them only where the record says they pay for its
+tokens), on ``small`` and on a wider model of the same depth (d=1024, 162M parameters, where a step costs what the
+start-up does not).
 
     python benchmarks/startup.py              # ~30 min on 2 cores
 """
@@ -128,7 +130,8 @@ def main() -> None:
             path = save_model(work / model_name, K3ForCausalLM(config), tokenizer)
             xdg = work / f"xdg-{model_name}"
             rows_here = [generate(path, "eager", [], xdg), generate(path, "--compile, cold", ["--compile"], xdg),
-                         generate(path, "--compile, warm", ["--compile"], xdg)]
+                         generate(path, "--compile, warm, loads and records", ["--compile"], xdg),
+                         generate(path, "--compile, warm, decides", ["--compile"], xdg)]
             eager_text = rows_here[0]["text"]
             for r in rows_here:
                 r.update(model=model_name, speedup=round(rows_here[0]["seconds"] / r["seconds"], 2),

@@ -17,23 +17,20 @@ def _generate(args: argparse.Namespace) -> int:
 
     model, tokenizer = load(args.ckpt, not args.no_verify, args.device, args.dtype)
     prompt = tokenizer.encode(args.prompt) or [tokenizer.bos_id]
-    compiled = None
-    if EngineOptions.from_args(args).compile:  # the decode graph loaded from the on-disk cache, or compiled
-        from k3.model.compiled import CompiledModel
+    step = None
+    if EngineOptions.from_args(args).compile:  # the decode graph from the on-disk cache where it pays for the run
+        from k3.model.payoff import PayingStep
 
-        compiled = CompiledModel(model)
         context = min(len(prompt) + args.max_tokens, model.config.context_length)
-        compiled.precompile(compiled.families(1, context, prefill=False))
+        step = PayingStep(model, args.max_tokens, lambda compiled: compiled.families(1, context, prefill=False))
     print(args.prompt, end="", flush=True)
     ids: list[int] = []
     for token in stream(model, prompt, args.max_tokens, args.temperature, args.top_p, args.top_k, args.seed,
-                        stop_ids=(tokenizer.eos_id,), step=compiled and compiled.step):
+                        stop_ids=(tokenizer.eos_id,), step=step):
         ids.append(token)
     print(tokenizer.decode(ids))
-    if compiled is not None:
-        print(f"k3: {compiled.graph_calls} steps on compiled graphs, {compiled.eager_calls} eager; {compiled.built} "
-              f"graphs, {compiled.cache_hits} of them loaded from the on-disk cache "
-              f"({sum(compiled.compile_seconds.values()):.1f} s)", file=sys.stderr)
+    if step is not None:
+        print(step.finish(), file=sys.stderr)
     return 0
 
 

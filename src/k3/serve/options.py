@@ -163,10 +163,11 @@ class EngineOptions:
 
     @staticmethod
     def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
-        """``k3 generate --compile`` (no engine: `k3.generation.stream` through a `CompiledModel`)."""
+        """``k3 generate --compile`` (no engine: `k3.generation.stream` through `k3.model.payoff.PayingStep`)."""
         parser.add_argument("--compile", action="store_true", help="decode through a precompiled torch.compile "
-                            "graph, loaded from ~/.cache/k3/graphs before the first token (~1 min to compile and save "
-                            "it on a first run)")
+                            "graph from ~/.cache/k3/graphs (~1 min to compile and save it on a first run), loaded "
+                            "after the first 3 tokens where the last load says it pays for the rest of the run; "
+                            "else decode eagerly")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> EngineOptions:

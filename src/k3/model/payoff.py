@@ -1,0 +1,148 @@
+"""Compiled decoding only where it pays (issue 37): `k3 generate --compile` is never slower than eager once a
+machine has run it.
+
+Precompiled graphs (`k3.model.precompiled`) make a decode step 2–3× faster, but loading them costs a fixed time ``L``
+(importing dynamo and inductor, loading the graph's kernels: ~2 s for ``small``, ~5 s at d=1024 on 2 cores). For a run
+of ``n`` more tokens they pay when ``L + n·c < n·e``, ``c`` and ``e`` being a compiled and an eager step. `PayingStep`
+times the run's own first `EAGER_STEPS` decode steps eagerly (they are tokens of the run, not a probe) for ``e``, and
+reads ``L`` and ``c`` from the last run that loaded the graphs of this layout (`Record`: ``payoff.json`` beside the
+graphs, one entry per thread count). Without a record it loads the graphs (or compiles them, on a first run) as
+before; a run that loaded them leaves a record, and a run that decides for eager says why.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from k3.files import open_regular
+from k3.model.lm import K3ForCausalLM
+from k3.model.state import DecoderState
+
+__all__ = ["EAGER_STEPS", "PayingStep", "Record"]
+
+EAGER_STEPS = 3  # decode steps timed eagerly before deciding (the fastest of them is ``e``)
+_RECORD_LIMIT = 64 * 1024  # bytes: a record larger than this is not ours
+
+
+@dataclass(frozen=True)
+class Record:
+    """What loading this layout's graphs cost the last time (``load_s``) and what a compiled step took (``step_s``)."""
+
+    load_s: float
+    step_s: float
+
+    @staticmethod
+    def path(directory: Path) -> Path:
+        return directory / "payoff.json"
+
+    @classmethod
+    def read(cls, directory: Path, threads: int) -> Record | None:
+        """The record for ``threads`` threads, or None (absent, unreadable, or not two positive finite numbers)."""
+        try:
+            with open_regular(cls.path(directory), _RECORD_LIMIT) as f:
+                entry = json.load(f)[str(threads)]
+            record = cls(float(entry["load_s"]), float(entry["step_s"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        finite = all(0 < v < float("inf") for v in (record.load_s, record.step_s))
+        return record if finite else None
+
+    def write(self, directory: Path, threads: int) -> None:
+        """Keep this record for ``threads`` threads (other thread counts' entries stay)."""
+        path = self.path(directory)
+        try:
+            with open_regular(path, _RECORD_LIMIT) as f:
+                entries = json.load(f)
+            entries = entries if isinstance(entries, dict) else {}
+        except (OSError, ValueError):
+            entries = {}
+        entries[str(threads)] = {"load_s": self.load_s, "step_s": self.step_s}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_suffix(".tmp")
+        temporary.write_text(json.dumps(entries))
+        temporary.replace(path)
+
+    def pays(self, tokens: int, eager_s: float) -> bool:
+        """Whether loading the graphs and decoding ``tokens`` on them beats decoding them eagerly."""
+        return self.load_s + tokens * self.step_s < tokens * eager_s
+
+
+class PayingStep:
+    """A `k3.generation.stream` step for one run of at most ``max_tokens``: the prompt and the first `EAGER_STEPS`
+    decode steps eagerly, then — if the record says they pay for the rest (or there is no record) — the precompiled
+    decode graph of ``families`` (`CompiledModel.precompile`), else eagerly to the end.
+
+    A step's time is from its start to the next step's start (sampling included, and on an accelerator the wait
+    for the step's results, which the sampler's read of the token makes)."""
+
+    def __init__(self, model: K3ForCausalLM, max_tokens: int, families: Callable[[object], list[tuple]]) -> None:
+        from k3.model.precompiled import GraphFiles
+
+        self.model, self.max_tokens, self.families = model, max_tokens, families
+        self.directory = GraphFiles(model).directory
+        self.threads = torch.get_num_threads()
+        self.record = Record.read(self.directory, self.threads)
+        self.compiled = None  # the `CompiledModel`, once loaded
+        self.eager_s: list[float] = []  # the decode steps timed, eager and compiled
+        self.compiled_s: list[float] = []
+        self.load_s: float | None = None
+        self.decided = False
+        self.steps = 0  # decode steps so far
+        self._last: float | None = None  # when the last decode step started
+
+    def __call__(self, input_ids: Tensor, state: DecoderState) -> tuple[Tensor, DecoderState]:
+        if input_ids.shape[1] > 1:
+            return self._eager(input_ids, state)
+        now = time.perf_counter()
+        if self._last is not None:
+            (self.eager_s if self.compiled is None else self.compiled_s).append(now - self._last)
+        if len(self.eager_s) >= EAGER_STEPS and not self.decided:
+            self._decide()
+            now = time.perf_counter()
+        self._last = now
+        self.steps += 1
+        return (self._eager if self.compiled is None else self.compiled.step)(input_ids, state)
+
+    def _eager(self, input_ids: Tensor, state: DecoderState) -> tuple[Tensor, DecoderState]:
+        logits, state = self.model(input_ids, state=state)
+        return logits[:, -1], state
+
+    def _decide(self) -> None:
+        self.decided = True
+        remaining = self.max_tokens - EAGER_STEPS
+        if self.record is not None and not self.record.pays(remaining, min(self.eager_s)):
+            return
+        from k3.model.compiled import CompiledModel
+
+        start = time.perf_counter()
+        self.compiled = CompiledModel(self.model)
+        self.compiled.precompile(self.families(self.compiled))
+        self.load_s = time.perf_counter() - start
+
+    def finish(self) -> str:
+        """Record what this run measured (when it loaded every graph from disk) and say how it decoded."""
+        if self.compiled is None:
+            if not self.decided:
+                return f"k3: --compile: the run ended within its first {EAGER_STEPS} eager steps (no graph loaded)"
+            record = self.record
+            return (f"k3: --compile: decoded eagerly: loading the graphs took {record.load_s:.1f} s last time, more "
+                    f"than {self.max_tokens - EAGER_STEPS} tokens save ({record.step_s * 1e3:.1f} against "
+                    f"{min(self.eager_s) * 1e3:.1f} ms a token; {Record.path(self.directory)})")
+        c = self.compiled
+        if c.compilations == c.cache_hits and self.compiled_s:
+            try:
+                Record(self.load_s, statistics.median(self.compiled_s)).write(self.directory, self.threads)
+            except OSError as err:  # a read-only cache: the next run decides without it
+                warnings.warn(f"k3: could not keep {Record.path(self.directory)} ({err})", RuntimeWarning,
+                              stacklevel=2)
+        return (f"k3: {c.graph_calls} steps on compiled graphs, {self.steps - c.graph_calls} eager; {c.built} graphs, "
+                f"{c.cache_hits} of them loaded from the on-disk cache ({self.load_s:.1f} s)")
