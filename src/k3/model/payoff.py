@@ -1,13 +1,14 @@
-"""Compiled decoding only where it pays (issue 37): `k3 generate --compile` is never slower than eager once a
-machine has run it.
+"""Compiled decoding only where it pays (issue 37): `k3 generate --compile` is never slower than eager once a run
+on the machine has loaded its graphs.
 
 Precompiled graphs (`k3.model.precompiled`) make a decode step 2–3× faster, but loading them costs a fixed time ``L``
-(importing dynamo and inductor, loading the graph's kernels: ~2 s for ``small``, ~5 s at d=1024 on 2 cores). For a run
-of ``n`` more tokens they pay when ``L + n·c < n·e``, ``c`` and ``e`` being a compiled and an eager step. `PayingStep`
-times the run's own first `EAGER_STEPS` decode steps eagerly (they are tokens of the run, not a probe) for ``e``, and
-reads ``L`` and ``c`` from the last run that loaded the graphs of this layout (`Record`: ``payoff.json`` beside the
-graphs, one entry per thread count). Without a record it loads the graphs (or compiles them, on a first run) as
-before; a run that loaded them leaves a record, and a run that decides for eager says why.
+(importing dynamo and inductor, loading the graph's kernels: ~2.7 s for ``small`` and for d=1024 on 2 cores,
+``benchmarks/startup.py``). For a run of ``n`` more tokens they pay when ``L + n·c < n·e``, ``c`` and ``e`` being a
+compiled and an eager step. `PayingStep` times the run's own first `EAGER_STEPS` decode steps eagerly (they are
+tokens of the run, not a probe) for ``e``, and reads ``L`` and ``c`` from the last run that loaded the graphs of this
+layout (`Record`: ``payoff.json`` beside the graphs, one entry per thread count). Without a record it loads the
+graphs (or compiles them, on a first run) as before; a run that loaded them leaves a record, and a run that decides
+for eager says why.
 """
 
 from __future__ import annotations
@@ -48,10 +49,9 @@ class Record:
     def read(cls, directory: Path, threads: int) -> Record | None:
         """The record for ``threads`` threads, or None (absent, unreadable, or not two positive finite numbers)."""
         try:
-            with open_regular(cls.path(directory), _RECORD_LIMIT) as f:
-                entry = json.load(f)[str(threads)]
+            entry = _entries(cls.path(directory))[str(threads)]
             record = cls(float(entry["load_s"]), float(entry["step_s"]))
-        except (OSError, ValueError, KeyError, TypeError):
+        except (KeyError, TypeError, ValueError):
             return None
         finite = all(0 < v < float("inf") for v in (record.load_s, record.step_s))
         return record if finite else None
@@ -59,12 +59,7 @@ class Record:
     def write(self, directory: Path, threads: int) -> None:
         """Keep this record for ``threads`` threads (other thread counts' entries stay)."""
         path = self.path(directory)
-        try:
-            with open_regular(path, _RECORD_LIMIT) as f:
-                entries = json.load(f)
-            entries = entries if isinstance(entries, dict) else {}
-        except (OSError, ValueError):
-            entries = {}
+        entries = _entries(path)
         entries[str(threads)] = {"load_s": self.load_s, "step_s": self.step_s}
         path.parent.mkdir(parents=True, exist_ok=True)
         temporary = path.with_suffix(".tmp")
@@ -74,6 +69,16 @@ class Record:
     def pays(self, tokens: int, eager_s: float) -> bool:
         """Whether loading the graphs and decoding ``tokens`` on them beats decoding them eagerly."""
         return self.load_s + tokens * self.step_s < tokens * eager_s
+
+
+def _entries(path: Path) -> dict:
+    """The records kept at ``path`` by thread count; empty where it is absent, unreadable or not a JSON object."""
+    try:
+        with open_regular(path, _RECORD_LIMIT) as f:
+            entries = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return entries if isinstance(entries, dict) else {}
 
 
 class PayingStep:
