@@ -47,7 +47,8 @@ def test_multi_turn_chat_reports_cached_tokens_and_metrics(served):
     history, cached = [SYSTEM], []
     for turn in range(4):
         history.append({"role": "user", "content": f"Turn {turn}: how does loads handle floats?"})
-        reply = client.chat.completions.create(model=MODEL, messages=history, max_tokens=8, temperature=0)
+        reply = client.chat.completions.create(model=MODEL, messages=history, max_tokens=8, temperature=0,
+                                               extra_body={"ignore_eos": True})  # 8 tokens whatever the weights
         cached.append(reply.usage.prompt_tokens_details.cached_tokens)
         history.append({"role": "assistant", "content": reply.choices[0].message.content})
     assert cached[0] == 0 and all(c > 0 for c in cached[1:]) and cached[1:] == sorted(cached[1:])
