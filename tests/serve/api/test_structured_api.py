@@ -27,10 +27,14 @@ from http_api import MODEL, raw
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"], "properties": {
     "name": {"type": "string", "maxLength": 6}, "age": {"type": "integer", "minimum": 0, "maximum": 150},
     "tags": {"type": "array", "maxItems": 2, "items": {"enum": ["a", "b"]}}}}
+#: Closed objects (``additionalProperties: false``), as the tests' exact expectations of the arguments assume: an open
+#: one lets a model write further keys of any length, which no token budget bounds.
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"]}}},
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"],
+    "additionalProperties": False}}},
          {"type": "function", "function": {"name": "get_time", "parameters": {
-             "type": "object", "properties": {"utc": {"type": "boolean"}}, "required": ["utc"]}}}]
+             "type": "object", "properties": {"utc": {"type": "boolean"}}, "required": ["utc"],
+             "additionalProperties": False}}}]
 ASK = [{"role": "user", "content": "Tell me."}]
 
 
