@@ -6,6 +6,8 @@ gap against itself, the clipped token reward) and the ``k3 chats | sft | rl | di
 from __future__ import annotations
 
 import json
+import struct
+import zlib
 from pathlib import Path
 
 import pytest
@@ -44,7 +46,7 @@ def post(tmp_path_factory) -> dict:
     torch.manual_seed(0)
     base = save_model(root / "base", K3ForCausalLM(preset("tiny")), tok)
     sft = root / "sft"
-    run_sft(SFTConfig(ckpt=str(base), data=str(chats), out=str(sft), steps=30, batch_size=8, lr=3e-3,
+    run_sft(SFTConfig(ckpt=str(base), data=str(chats), out=str(sft), steps=60, batch_size=8, lr=3e-3,
                       optimizer="adamw", seq_len=256, eval_every=100, ckpt_every=100, threads=1, progress=False))
     return {"tok": tok, "base": base, "sft": sft}
 
@@ -253,11 +255,20 @@ def test_training_batch_matches_a_position_by_position_reference(data):
 
 # ---------------------------------------------------------------------------------------------- RL
 class RecordingRL(RLRun):
-    """An RL run that also keeps, per update, its policy version and the versions of the tokens it trained."""
+    """An RL run that also keeps, per update, its policy version and the versions of the tokens it trained.
+
+    Its reward is a checksum of the sampled tokens, so two different samples of a group (almost) never tie and
+    every update whose groups sampled more than one answer carries a gradient, whatever the fixture model answers
+    (the test is of versions and resumption; the reward rules are tested above). A short tiny SFT rarely answers
+    correctly, and a group whose samples all earn the same task reward has no gradient."""
 
     def __init__(self, config: RLConfig) -> None:
         super().__init__(config)
         self.updates: list[tuple[int, list[int]]] = []
+
+    def _rewards(self, group):
+        _, correct, lengths = super()._rewards(group)
+        return [zlib.crc32(struct.pack(f"{len(t.tokens)}i", *t.tokens)) / 2**32 for t in group], correct, lengths
 
     def update(self, groups):
         self.updates.append((self.version, [v for g in groups for t in g for v in t.versions if v != ENVIRONMENT]))
@@ -265,10 +276,10 @@ class RecordingRL(RLRun):
 
 
 def rl_config(post, out: Path, **kw) -> RLConfig:
-    """Near-greedy sampling (the short SFT's tool calls parse), and an agentic trajectory paused mid-episode at
-    iteration 2 (the math groups finish first)."""
-    defaults = dict(domains=["agentic", "math"], effort="low", steps=4, prompts=4, samples=2, lam=0.5,
-                    max_tokens=80, temperature=0.1, lr=1e-3, eval_tasks=1, eval_every=2, ckpt_every=1, seed=0,
+    """Four samples per prompt at temperature 0.5: the short SFT's tool calls still parse (agentic trajectories
+    are paused mid-episode at iteration 2, the math groups finishing first) and a group's samples differ."""
+    defaults = dict(domains=["agentic", "math"], effort="low", steps=4, prompts=4, samples=4, lam=0.5,
+                    max_tokens=80, temperature=0.5, lr=1e-3, eval_tasks=1, eval_every=2, ckpt_every=1, seed=0,
                     threads=1, progress=False)
     return RLConfig(ckpt=str(post["sft"]), out=str(out), **{**defaults, **kw})
 
@@ -303,13 +314,13 @@ def test_rl_metrics_versions_and_exact_resume(post, tmp_path):
     sft = weights(post["sft"])
     assert any(not torch.equal(sft[k], v) for k, v in weights(whole).items())  # RL moved the policy
 
-    run_rl(rl_config(post, split, steps=2))
+    run_stage(RecordingRL(rl_config(post, split, steps=2)), False, grpo.PANELS)
     progress = json.loads(train_ckpt.load_state(train_ckpt.latest_checkpoint(split))["progress"])
     assert progress["rollouts"]["groups"] and progress["envs"]  # a paused episode with its environment
     assert (split / "sandboxes").is_dir()
     for env in progress["envs"].values():  # its sandbox checkpoint, on disk (no process held)
         assert (split / env["sandbox"]).is_file() and env["sandbox"].startswith("sandboxes/step-0000002/")
-    resumed = run_rl(rl_config(post, split), resume=True)
+    resumed = run_stage(RecordingRL(rl_config(post, split)), True, grpo.PANELS)
     assert resumed.iteration_index == 4 and resumed.version == version
     a, b = weights(whole), weights(split)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -117,23 +117,28 @@ class DistillRun(OnPolicyRun):
     def next_prompts(self, n: int) -> list[tuple[Task, str]]:
         return [self.stream[(self.cursor + i) % len(self.stream)] for i in range(n)]
 
-    def _teacher_logprobs(self, keys: list[tuple[str, str]], inputs: torch.Tensor,
-                          targets: torch.Tensor) -> torch.Tensor:
-        """Each row's log-probabilities under the teacher of its prompt's domain and effort ``[B, L]``."""
-        out = torch.zeros(targets.shape)
-        with torch.no_grad():
-            for key in set(keys):
-                rows = [b for b, k in enumerate(keys) if k == key]
-                out[rows] = token_logprobs(self.teachers[key], inputs[rows], targets[rows], self.tokenizer.vocab_size)
+    def _by_teacher(self, keys: list[tuple[str, str]], inputs: torch.Tensor, targets: torch.Tensor,
+                    model: K3ForCausalLM | None = None) -> torch.Tensor:
+        """Each row's log-probabilities ``[B, L]``, the rows of each (domain, effort) read as one batch: under
+        that pair's teacher, or under ``model`` (the student). Teacher and student see the same batches, so a
+        student equal to its teacher gets a reward of exactly 0 (the forward is not batch-invariant)."""
+        out = torch.zeros(targets.shape, device=targets.device)
+        for key in dict.fromkeys(keys):
+            rows = torch.tensor([b for b, k in enumerate(keys) if k == key], device=targets.device)
+            scorer = self.teachers[key] if model is None else model
+            with torch.set_grad_enabled(model is not None):
+                out = out.index_put((rows,), token_logprobs(scorer, inputs[rows], targets[rows],
+                                                            self.tokenizer.vocab_size))
         return out
 
     def update(self, groups: list[list[Trajectory]]) -> dict[str, Any]:
         trajectories = [traj for (traj,) in groups]
         inputs, targets, mask, old = training_batch(trajectories, self.tokenizer.pad_id)
         pairs = [self.episodes.tasks[t.group] for t in trajectories]
-        teacher = self._teacher_logprobs([(task.domain, effort) for task, effort in pairs], inputs, targets)
+        keys = [(task.domain, effort) for task, effort in pairs]
+        teacher = self._by_teacher(keys, inputs, targets)
         self.model.train()
-        student = token_logprobs(self.model, inputs, targets, self.tokenizer.vocab_size)
+        student = self._by_teacher(keys, inputs, targets, self.model)
         rewards = mopd_token_rewards(teacher, student, self.config.reward_clip).masked_fill(~mask, 0.0)
         loss = policy_loss(student, old, rewards, mask, self.config.clip_eps)
         record = {"loss": float(loss.detach()), "grad_norm": self.step_optimizer(loss),
