@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from k3.sizing.params import mla_layer_parameters
 from k3.config import preset
 from k3.model.sequence import mla
-from k3.model.sequence.mla import GatedMLA, MLACache
+from k3.model.sequence.mla import ABSORBED_TOKENS, GatedMLA, MLACache
 from peers import transformers_kimi_linear
 
 F32 = dict(atol=1e-5, rtol=1e-5)
@@ -171,15 +171,19 @@ def test_compiled_absorbed_reductions_equal_full_in_fp64(name):
     torch.testing.assert_close(traced(q, kv), m._attend_full(q, kv), **F64)
 
 
-def test_default_path_is_absorbed_exactly_for_decode():
+def test_default_path_is_absorbed_exactly_for_short_blocks_over_a_cache():
+    """Decode and verification (a state and T ≤ ABSORBED_TOKENS) attend in latent space; training and longer
+    prefill chunks reconstruct keys and values."""
     m = module()
-    x = inputs(T=5)
+    x = inputs(T=40)
     state = m(x[:, :4], m.new_state(2))[1]
     with mock.patch.object(m, "_attend_full", side_effect=AssertionError("full path used")):
-        m(x[:, 4:], state)  # decode: a state and T == 1
+        m(x[:, 4:5], state)  # decode
+        m(x[:, 4:9], state)  # a verification of γ + 1 = 5 tokens
+        m(x[:, 4:4 + ABSORBED_TOKENS], state)
     with mock.patch.object(m, "_attend_absorbed", side_effect=AssertionError("absorbed path used")):
-        m(x[:, 4:], None)  # training
-        m(x[:, 2:], state)  # verify / chunked prefill: T > 1
+        m(x[:, 4:5], None)  # training
+        m(x[:, 4:5 + ABSORBED_TOKENS], state)  # a prefill chunk
         m(x, m.new_state(2))  # prefill
 
 

@@ -13,7 +13,7 @@ from k3.model.sequence.kda import KDAState
 from k3.model.sequence.mla import Storage
 from k3.model.state import DecoderState
 from k3.model.draft import DraftConfig, EagleDraft
-from k3.serve.engine.drafting import EagleDrafter, ModelDrafter
+from k3.serve.engine.drafting import Draft, EagleDrafter, ModelDrafter
 from k3.serve.engine.ngram import NGramDrafter
 from k3.serve.engine import Engine, SamplingParams
 from k3.serve.engine.sampling import process
@@ -318,12 +318,19 @@ def test_the_draft_reads_on_after_positions_it_was_not_given():
 
 
 def test_a_paused_eagle_request_decodes_without_capturing_features(model, tok, monkeypatch):
-    """Adaptive EAGLE with an untrained draft pauses: its paused steps run the target without capturing features
+    """Adaptive EAGLE with a draft that always loses pauses: its paused steps run the target without capturing features
     (the capture is off during exactly the steps whose features the draft is not given), the draft gets them again
     `READ_AHEAD` steps before each probe, probes still draft, and the tokens are plain decoding's."""
     from k3.serve.engine.payoff import READ_AHEAD
 
+    params = SamplingParams(max_tokens=96, temperature=0)
+    plain = [t for o in Engine(model, tok).generate(PROMPTS[0], params) for t in o.token_ids]
     drafter = EagleDrafter(EagleDraft(model, DraftConfig(layer_kind="kda")).eval())
+    # the draft runs as it would, but proposes a token plain decoding never emits: every run loses (acceptance 0,
+    # whatever the machine's timings make of the price), so the request pauses between probes
+    never = next(t for t in range(tok.vocab_size) if t not in plain)
+    propose = drafter.propose
+    drafter.propose = lambda *args: (lambda d: d and Draft([never] * len(d.tokens)))(propose(*args))
     given = []
     observe = drafter.observe
     drafter.observe = lambda request_id, tokens, features: (given.append(features is not None),
@@ -336,12 +343,11 @@ def test_a_paused_eagle_request_decodes_without_capturing_features(model, tok, m
 
     monkeypatch.setattr(model, "forward_groups", recorded)
     engine = Engine(model, tok, drafter=drafter, num_draft_tokens=3)
-    params = SamplingParams(max_tokens=96, temperature=0)
     tokens = [t for o in engine.generate(PROMPTS[0], params) for t in o.token_ids]
     monkeypatch.undo()
-    assert tokens == [t for o in Engine(model, tok).generate(PROMPTS[0], params) for t in o.token_ids]
+    assert tokens == plain
     counts = engine.speculation
-    assert counts["plain"] > 48 and counts["runs"] >= 3  # mostly paused, and probes after pauses
+    assert counts["accepted"] == 0 and counts["plain"] > 48 and counts["runs"] >= 3  # paused, probes after pauses
     assert capturing.count(False) == given.count(False) > 32
     assert capturing.count(True) >= READ_AHEAD * (counts["runs"] - 1)
 

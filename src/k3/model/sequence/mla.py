@@ -11,9 +11,16 @@ Nothing is rotated (NoPE): the shared key ``k_s`` carries no position and is sha
 The per-layer cache is ``(c_kv, k_s)``: ``kv_lora_rank + qk_shared_head_dim`` scalars per token
 (576 at paper size). Two equal ways to attend over it:
 
-* `GatedMLA._attend_full` reconstructs per-head keys and values (training, prefill, verify);
-* `GatedMLA._attend_absorbed` stays in latent space (decode): ``W_uk`` is absorbed into the query and
-  ``W_uv`` applied after the weighted sum, so each cached token costs one 576-wide dot (SPEC §9).
+* `GatedMLA._attend_full` reconstructs per-head keys and values (training, prefill);
+* `GatedMLA._attend_absorbed` stays in latent space (decode, speculative verification): ``W_uk`` is absorbed into
+  the query and ``W_uv`` applied after the weighted sum, so each cached token costs one 576-wide dot (SPEC §9).
+
+With a cache of L positions and T new tokens, the full path up-projects all L positions (``L·r·H·(nope + v)``
+multiply-adds, then attends), the absorbed one reads the latent cache once per query row (``T·H·L·(2r + shared)``).
+Short blocks over a cache — ``T ≤ ABSORBED_TOKENS``: a decode step, a verification of γ + 1 tokens, a short prefill
+piece — take the absorbed path, which costs O(T·L) instead of O(L) up-projections that grow with the context
+(paper size: absorbed is cheaper for T below ~170; as vLLM's and FlashMLA's decode kernels, multi-token ones
+included).
 
 Weight names follow the peers (transformers ``KimiLinearAttention``, DeepSeek-V3): ``kv_b_proj``'s
 output is ``[k_content ; v]`` per head, ``W_dkv`` and ``W_ks`` are the two column blocks of ``kv_a_proj``.
@@ -31,9 +38,10 @@ from k3.config import K3Config
 from k3.model.norm import RMSNorm
 from k3.model.projections import project
 
-__all__ = ["MLACache", "MLASlots", "MLAWindow", "Storage", "GatedMLA"]
+__all__ = ["ABSORBED_TOKENS", "MLACache", "MLASlots", "MLAWindow", "Storage", "GatedMLA"]
 
 PATHS = ("full", "absorbed")
+ABSORBED_TOKENS = 16  # new tokens per row up to which a forward over a cache attends in latent space
 RECORD_BLOCK = 512  # query rows per block when recording QK-clip's max logits
 
 
@@ -270,7 +278,8 @@ class GatedMLA(nn.Module):
         ``state=None`` (training): causal within x; returns ``(y, None)``. With a state the tokens'
         ``(c_kv, k_s)`` are appended before attending (query i sees cache positions ≤ L0 + i) and the
         new cache is returned; the passed-in state is untouched. ``path`` forces "full" or
-        "absorbed"; by default decode (a state and T == 1) is absorbed and everything else full.
+        "absorbed"; by default a short block over a cache (a state and T ≤ `ABSORBED_TOKENS`: decode,
+        verification) is absorbed and everything else full.
         ``padding`` ``[B]`` (with a state): row b's first ``padding[b]`` cache positions are left
         padding of a batch of unequal lengths and are masked out.
         """
@@ -278,7 +287,7 @@ class GatedMLA(nn.Module):
         B, T, _ = x.shape
         q, c_kv, k_s, gate = self._project(x)
         cache = MLACache(c_kv, k_s) if state is None else state.append(c_kv, k_s)
-        absorbed = path == "absorbed" if path is not None else (state is not None and T == 1)
+        absorbed = path == "absorbed" if path is not None else (state is not None and T <= ABSORBED_TOKENS)
         o = self._attend_absorbed(q, cache, padding) if absorbed else self._attend_full(q, cache, padding)
         if gate is not None:
             o = o * torch.sigmoid(gate).view(B, T, self.num_heads, self.v_dim)
