@@ -172,8 +172,9 @@ def test_compiled_absorbed_reductions_equal_full_in_fp64(name):
 
 
 def test_default_path_is_absorbed_exactly_for_short_blocks_over_a_cache():
-    """Decode and verification (a state and T ≤ ABSORBED_TOKENS) attend in latent space; training and longer
-    prefill chunks reconstruct keys and values."""
+    """Decode and verification (T ≤ ABSORBED_TOKENS after cached positions) attend in latent space; training,
+    longer prefill chunks and a prompt's first block reconstruct keys and values (the first block then gives a
+    stateless forward's logits bit for bit)."""
     m = module()
     x = inputs(T=40)
     state = m(x[:, :4], m.new_state(2))[1]
@@ -185,6 +186,8 @@ def test_default_path_is_absorbed_exactly_for_short_blocks_over_a_cache():
         m(x[:, 4:5], None)  # training
         m(x[:, 4:5 + ABSORBED_TOKENS], state)  # a prefill chunk
         m(x, m.new_state(2))  # prefill
+        short = m(x[:, :5], m.new_state(2))[0]  # a short prompt's first block
+    assert torch.equal(short, m(x[:, :5], None)[0])
 
 
 def test_absorbed_weights_are_views_of_kv_b_proj():

@@ -17,10 +17,11 @@ The per-layer cache is ``(c_kv, k_s)``: ``kv_lora_rank + qk_shared_head_dim`` sc
 
 With a cache of L positions and T new tokens, the full path up-projects all L positions (``L·r·H·(nope + v)``
 multiply-adds, then attends), the absorbed one reads the latent cache once per query row (``T·H·L·(2r + shared)``).
-Short blocks over a cache — ``T ≤ ABSORBED_TOKENS``: a decode step, a verification of γ + 1 tokens, a short prefill
-piece — take the absorbed path, which costs O(T·L) instead of O(L) up-projections that grow with the context
-(paper size: absorbed is cheaper for T below ~170; as vLLM's and FlashMLA's decode kernels, multi-token ones
-included).
+Short blocks after cached positions — ``T ≤ ABSORBED_TOKENS``: a decode step, a verification of γ + 1 tokens, a
+short prefill piece continuing a prompt — take the absorbed path, which costs O(T·L) instead of O(L) up-projections
+that grow with the context (paper size: absorbed is cheaper for T below ~170; as vLLM's and FlashMLA's decode
+kernels, multi-token ones included). A prompt's first block takes the full path, as a forward without a state does,
+so the two give the same logits bit for bit (a single token is absorbed either way).
 
 Weight names follow the peers (transformers ``KimiLinearAttention``, DeepSeek-V3): ``kv_b_proj``'s
 output is ``[k_content ; v]`` per head, ``W_dkv`` and ``W_ks`` are the two column blocks of ``kv_a_proj``.
@@ -278,8 +279,8 @@ class GatedMLA(nn.Module):
         ``state=None`` (training): causal within x; returns ``(y, None)``. With a state the tokens'
         ``(c_kv, k_s)`` are appended before attending (query i sees cache positions ≤ L0 + i) and the
         new cache is returned; the passed-in state is untouched. ``path`` forces "full" or
-        "absorbed"; by default a short block over a cache (a state and T ≤ `ABSORBED_TOKENS`: decode,
-        verification) is absorbed and everything else full.
+        "absorbed"; by default one token with a state, or a short block after cached positions (T ≤
+        `ABSORBED_TOKENS`: verification), is absorbed and everything else full.
         ``padding`` ``[B]`` (with a state): row b's first ``padding[b]`` cache positions are left
         padding of a batch of unequal lengths and are masked out.
         """
@@ -287,7 +288,8 @@ class GatedMLA(nn.Module):
         B, T, _ = x.shape
         q, c_kv, k_s, gate = self._project(x)
         cache = MLACache(c_kv, k_s) if state is None else state.append(c_kv, k_s)
-        absorbed = path == "absorbed" if path is not None else (state is not None and T <= ABSORBED_TOKENS)
+        absorbed = path == "absorbed" if path is not None else state is not None and (
+            T == 1 or T <= ABSORBED_TOKENS and not _known_equal(cache.length, T))
         o = self._attend_absorbed(q, cache, padding) if absorbed else self._attend_full(q, cache, padding)
         if gate is not None:
             o = o * torch.sigmoid(gate).view(B, T, self.num_heads, self.v_dim)
