@@ -330,7 +330,12 @@ def test_a_paused_eagle_request_decodes_without_capturing_features(model, tok, m
     # whatever the machine's timings make of the price), so the request pauses between probes
     never = next(t for t in range(tok.vocab_size) if t not in plain)
     propose = drafter.propose
-    drafter.propose = lambda *args: (lambda d: d and Draft([never] * len(d.tokens)))(propose(*args))
+
+    def losing(*args):
+        draft = propose(*args)
+        return draft and Draft([never] * len(draft.tokens))
+
+    drafter.propose = losing
     given = []
     observe = drafter.observe
     drafter.observe = lambda request_id, tokens, features: (given.append(features is not None),
