@@ -58,6 +58,7 @@ def row(ckpt: Path, name: str, flags: list[str], cache: Path, prompt: list[int],
     server = Server(ckpt, compile="--compile" in flags, max_batch=1, max_model_len=4096)
     server.command += [f for f in flags if f != "--compile"]
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache)
+    os.environ["XDG_CACHE_HOME"] = str(cache / "xdg")  # the precompiled graphs (`k3.model.precompiled`) too
     start = time.perf_counter()
     with server as url:
         listening = time.perf_counter() - start

@@ -10,12 +10,15 @@ import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import torch
 
 import serving
 from k3.model.background import QUIET, Gate
 from k3.model.compiled import CompiledModel
+from k3.model.graph_worker import GraphWorker
+from k3.model.precompiled import layout_digest
 from k3.serve.engine import Engine, SamplingParams
 
 
@@ -38,9 +41,9 @@ def _run(engine: Engine, prompts: list[list[int]], steps_before: int = 0, betwee
 def test_requests_served_while_graphs_compile_get_eager_tokens_and_switch_to_the_graphs_mid_request(
         tok, tmp_path, monkeypatch):
     """Requests run eagerly while nothing is built, then (the compilation finished between two steps) on the
-    graphs from their next step on — the precompiled ones, then the tuned decode graph that replaces its
-    precompiled one; every request's tokens equal the eager engine's, and no graph is built after the background
-    compilation (a step never compiles beside it)."""
+    graphs from their next step on — the precompiled ones (compiled by the graph process, only loaded here), then
+    the tuned decode graph that replaces its precompiled one; every request's tokens equal the eager engine's, and
+    no graph is built after the background compilation (a step never compiles beside it)."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # precompiled graphs compiled here, not loaded
     model = serving.model()
     prompts = [p for p in serving.prompts() if len(p) > 4][:3]
@@ -63,8 +66,58 @@ def test_requests_served_while_graphs_compile_get_eager_tokens_and_switch_to_the
                               families[2]: compiled.precompiled["prefill"]}
     assert seen["eager_steps"] > 0 and compiled.graph_calls > seen["graph_steps"]  # switched mid-request
     assert len(list((tmp_path / "k3" / "graphs").rglob("*.pt2"))) == 3
+    assert compiled.worker.failure is None and compiled.worker.process.returncode == 0
+    assert [compiled.precompiled[k].cache_hits for k in ("decode", "prefill")] == [1, 2]  # the process's files
     built = compiled.compilations
     assert _run(engine, prompts) == eager and compiled.compilations == built
+
+
+def test_where_the_graph_process_fails_the_thread_compiles_what_is_left(tok, tmp_path, monkeypatch):
+    """A graph process that builds nothing (here: its copy of the model is not of the server's layout, so its files
+    would lie where the server never looks) is reported in ``worker.failure``, and the background thread compiles
+    the graphs itself; tokens are eager's."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    start = GraphWorker.start.__func__
+    monkeypatch.setattr(GraphWorker, "start", classmethod(
+        lambda cls, model, digest, families: start(cls, model, "another layout", families)))
+    model = serving.model()
+    prompt = serving.prompts()[3][:9]
+    eager = _run(Engine(model, tok, max_batch=1, prefill_chunk=16), [prompt])
+    compiled = CompiledModel(model, batches=(1,), sizes=(4, 1), tuned=False)
+    compiled.compile_in_background([("decode", 1, 2)], upgrade=False)
+    assert compiled.wait_background(timeout=900) and compiled.background_error is None
+    assert "exit status 3" in compiled.worker.failure
+    step = compiled.precompiled["decode"]
+    assert (step.compilations, step.cache_hits) == (1, 0) and compiled.ready == {("decode", 1, 2): step}
+    engine = Engine(model, tok, max_batch=1, prefill_chunk=16, compile=compiled)
+    assert _run(engine, [prompt]) == eager and compiled.graph_calls > 0
+
+
+def test_the_graph_process_ends_with_its_server(tmp_path):
+    """The graph process exits when the server closes its pipe (`GraphWorker.stop`) and when the server's process
+    dies without a word (its pipe then reaches end of file), before building anything."""
+    worker = GraphWorker.start(serving.model(), layout_digest(serving.model()), [("decode", 1, 2)])
+    worker.stop()
+    assert worker.process.returncode == 0
+    script = textwrap.dedent("""
+        import os, serving
+        from k3.model.graph_worker import GraphWorker
+        from k3.model.precompiled import layout_digest
+        model = serving.model()
+        worker = GraphWorker.start(model, layout_digest(model), [("decode", 1, 2)])
+        print(worker.process.pid, flush=True)
+        os._exit(0)
+        """)
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path),
+               PYTHONPATH=os.pathsep.join([os.path.dirname(serving.__file__), os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    status = Path(f"/proc/{int(run.stdout)}/status")
+    deadline = time.monotonic() + 300
+    while status.exists() and "zombie" not in status.read_text() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not status.exists() or "zombie" in status.read_text()
+    assert not list(tmp_path.rglob("*.pt2"))
 
 
 def test_a_step_outside_the_planned_families_runs_eagerly_beside_a_background_compilation(tok):

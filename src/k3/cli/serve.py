@@ -100,8 +100,9 @@ def _serve(args: argparse.Namespace) -> int:
         compiled, what = engine.compiled, (f"decode batches up to {engine.compiled.bucket(engine.max_batch)}, prefill "
                                            f"pieces {engine.compiled.sizes}, context {engine.max_model_len} tokens")
         if compiled.ready is not None:
-            print(f"k3 serve: building {len(compiled.planned)} graphs in the background ({what}); until a shape's "
-                  f"graph is ready its steps run eagerly (GET /metrics: k3_compile_graphs_built)", flush=True)
+            where = f" (precompiled ones by process {compiled.worker.process.pid})" if compiled.worker else ""
+            print(f"k3 serve: building {len(compiled.planned)} graphs in the background{where} ({what}); until a "
+                  f"shape's graph is ready its steps run eagerly (GET /metrics: k3_compile_graphs_built)", flush=True)
         else:
             print(f"k3 serve: {compiled.compilations} graphs compiled in {seconds:.1f} s, {compiled.cache_hits} of "
                   f"them from the on-disk cache ({what})", flush=True)

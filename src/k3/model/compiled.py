@@ -49,6 +49,7 @@ import os
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import fields, replace
 
@@ -58,6 +59,7 @@ from torch import Tensor
 from k3.files import user_cache
 from k3.model.background import Gate
 from k3.model.cudagraph import GraphedDecode
+from k3.model.graph_worker import GraphWorker
 from k3.model.lm import K3ForCausalLM
 from k3.model.packed import PackedExperts
 from k3.model.precompiled import GraphFiles, forward_replayed, forward_step
@@ -370,6 +372,8 @@ class CompiledModel:
         self.built = 0  # of them, those done
         self.background: threading.Thread | None = None
         self.background_error: Exception | None = None
+        self.files: GraphFiles | None = None  # where the precompiled graphs are kept, once planned
+        self.worker: GraphWorker | None = None  # the process compiling the precompiled graphs (`failure`: why not)
         self.eager_calls = self.graph_calls = 0  # steps run eagerly (no graph for them, or not ready yet) / on graphs
 
     def _steps(self) -> dict[str, CompiledStep]:
@@ -520,25 +524,35 @@ class CompiledModel:
             self._build(family, contexts)
         return time.perf_counter() - start
 
-    def precompile(self, families: list[tuple]) -> float:
+    def precompile(self, families: list[tuple], built: Callable[[tuple], None] | None = None) -> float:
         """Build the precompiled graph (`k3.model.precompiled`) of each of ``families`` now — loaded in seconds
         where an earlier process saved it, else compiled and saved — and run those families on them; every other
-        call runs eagerly (``k3 generate --compile``). Returns the seconds taken."""
+        call runs eagerly (``k3 generate --compile``); ``built(family)`` after each. Returns the seconds taken."""
         start = time.perf_counter()
         self._plan(families, upgrade=False)
         with torch.inference_mode():
-            self._build_planned()
+            self._build_planned(built)
         return time.perf_counter() - start
 
-    def compile_in_background(self, families: list[tuple], upgrade: bool = True) -> threading.Thread:
+    def compile_in_background(self, families: list[tuple], upgrade: bool = True,
+                              process: bool = True) -> threading.Thread:
         """Build the graphs of ``families`` (`families`) on a thread of their own while the steps run: a call of a
         family not built yet runs eagerly (the function its graphs are traced from: the same tokens), then on its
         graph. First each family's precompiled graph (as `precompile`); then, with ``upgrade``, the tuned decode and
         verification graphs (frozen weights: ~2× faster, never saved), each replacing its precompiled one when
         built. The thread runs only while no step has run for a moment (`k3.model.background.Gate`): the steps keep
-        their speed and the graphs take the idle time. `ready` maps each family to the step serving it; an error
-        stops the compilation with a warning (what is left runs as it is); `stop_background` parks it for good."""
+        their speed and the graphs take the idle time. With ``process`` (a model on the CPU), the precompiled graphs
+        are compiled by a process of their own (`k3.model.graph_worker`: no interpreter lock shared with the steps)
+        and this thread only loads them; where it cannot start or fails, this thread compiles what is left, with a
+        warning. `ready` maps each family to the step serving it; an error stops the compilation with a warning
+        (what is left runs as it is); `stop_background` parks it for good."""
         self._plan(families, upgrade)
+        if process and self.model.device.type == "cpu" and families:
+            try:
+                self.worker = GraphWorker.start(self.model, self.files.digest, families)
+            except Exception as err:  # a model that does not pickle, no process: compile here instead
+                warnings.warn(f"k3: no graph process ({err!r}); compiling in this process", RuntimeWarning,
+                              stacklevel=2)
         _BACKGROUND[0] += 1
         threads = torch.get_num_threads()
         self.background = self.gate.start(lambda: self._compile_all(threads), "k3-compile")
@@ -549,9 +563,9 @@ class CompiledModel:
         graphs."""
         if self.ready is not None:
             raise RuntimeError("CompiledModel: graphs have already been planned")
-        files = GraphFiles(self.model)  # one layout digest for the three steps
-        self.precompiled = {kind: CompiledStep(self.model, replayed=kind == "verify", gate=self.gate, files=files)
-                            for kind in ("decode", "prefill", "verify")}
+        self.files = GraphFiles(self.model)  # one layout digest for the three steps
+        self.precompiled = {kind: CompiledStep(self.model, replayed=kind == "verify", gate=self.gate,
+                                               files=self.files) for kind in ("decode", "prefill", "verify")}
         traced = [f for f in families if upgrade and f[0] != "prefill"]
         self.planned = [(f, "precompiled") for f in families] + [(f, "traced") for f in traced]
         self.ready = {}
@@ -563,8 +577,11 @@ class CompiledModel:
         return self.background is None or not self.background.is_alive()
 
     def stop_background(self) -> None:
-        """Park the background compilation for good (the families not built run as they do)."""
+        """Park the background compilation for good and end its graph process (the families not built run as they
+        do)."""
         self.gate.close()
+        if self.worker is not None:
+            self.worker.stop()
 
     @torch.inference_mode()
     def _compile_all(self, threads: int) -> None:
@@ -578,15 +595,24 @@ class CompiledModel:
                   flush=True)
         finally:
             _BACKGROUND[0] -= 1
+            if self.worker is not None:
+                self.worker.stop()
 
-    def _build_planned(self) -> None:
-        """Build the `planned` graphs in order, switching each family to its graph once built."""
+    def _build_planned(self, built: Callable[[tuple], None] | None = None) -> None:
+        """Build the `planned` graphs in order, switching each family to its graph once built (a precompiled one
+        loaded once the graph process has saved it, if there is one)."""
         contexts: dict[int, DecoderState] = {}
         for family, tier in self.planned[self.built:]:
+            worker = self.worker if tier == "precompiled" and self.worker is not None else None
+            if worker is not None and worker.failure is None and not worker.wait_for(family):
+                warnings.warn(f"k3: {worker.failure}; compiling the rest in this process", RuntimeWarning,
+                              stacklevel=2)
             step = (self.precompiled if tier == "precompiled" else self._steps())[family[0]]
             self._build(family, contexts, step)
             self.ready[family] = step
             self.built += 1
+            if built is not None:
+                built(family)
 
     def _build(self, family: tuple, contexts: dict[int, DecoderState], step: CompiledStep | None = None) -> None:
         """Compile ``family``'s graph (on ``step``, default its traced one) on zero tokens after a context of its

@@ -71,8 +71,8 @@ class GraphFiles:
     """The precompiled graphs of one model layout on disk: `load` one, or `compile` and save it."""
 
     def __init__(self, model: K3ForCausalLM, directory: Path | None = None) -> None:
-        self.model = model
-        self.directory = directory if directory is not None else user_cache("graphs") / layout_digest(model)
+        self.model, self.digest = model, layout_digest(model)
+        self.directory = directory if directory is not None else user_cache("graphs") / self.digest
 
     def path(self, kind: str, key: tuple) -> Path:
         """The file of the ``kind`` ("step" or "replayed") graph of shape ``key`` (sets written in sorted order)."""
@@ -109,5 +109,5 @@ class GraphFiles:
             graph = torch.compile(fn, fullgraph=True, dynamic=False).aot_compile(((self.model, input_ids, state), {}))
         graph.disable_guard_check()
         path.parent.mkdir(parents=True, exist_ok=True)
-        graph.save_compiled_function(str(path), external_data={"model": self.model})
+        graph.save_compiled_function(str(path), external_data={"model": self.model})  # atomically (a rename)
         return graph

@@ -1,0 +1,42 @@
+"""The graph process of `k3.model.graph_worker` (``python -m k3.model.graph_process``, started by `GraphWorker`):
+read the header line and the `layout_copy` from standard input, build each family's precompiled graph in order
+(`CompiledModel.precompile`) and name it on standard output once saved; exit when standard input ends."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+from k3.model.compiled import CompiledModel
+from k3.model.graph_worker import NICE, exit_with_parent, restore
+from k3.model.precompiled import layout_digest
+
+__all__ = ["main"]
+
+
+def main() -> int:
+    header = json.loads(sys.stdin.buffer.readline())
+    data = sys.stdin.buffer.read(header["bytes"])
+    exit_with_parent()
+    os.nice(NICE)
+    torch.set_num_threads(header["threads"])  # part of every graph's key
+    model = restore(data, header["device"])
+    if layout_digest(model) != header["digest"]:
+        print("k3 graph process: the model's copy has another layout digest than the server's model; no graph is "
+              "built here", file=sys.stderr, flush=True)
+        return 3
+
+    def built(family: tuple) -> None:
+        print(json.dumps(list(family)), flush=True)
+
+    CompiledModel(model).precompile([tuple(f) for f in header["families"]], built)
+    return 0
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    os._exit(code)  # without waiting on the compiler's worker pool to wind down
