@@ -43,7 +43,8 @@ def test_requests_served_while_graphs_compile_get_eager_tokens_and_switch_to_the
     """Requests run eagerly while nothing is built, then (the compilation finished between two steps) on the
     graphs from their next step on — the precompiled ones (compiled by the graph process, only loaded here), then
     the tuned decode graph that replaces its precompiled one; every request's tokens equal the eager engine's, and
-    no graph is built after the background compilation (a step never compiles beside it)."""
+    no graph is built after the background compilation (a step never compiles beside it). A warm start loads every
+    precompiled graph and starts no process."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # precompiled graphs compiled here, not loaded
     model = serving.model()
     prompts = [p for p in serving.prompts() if len(p) > 4][:3]
@@ -70,6 +71,10 @@ def test_requests_served_while_graphs_compile_get_eager_tokens_and_switch_to_the
     assert [compiled.precompiled[k].cache_hits for k in ("decode", "prefill")] == [1, 2]  # the process's files
     built = compiled.compilations
     assert _run(engine, prompts) == eager and compiled.compilations == built
+    again = CompiledModel(model, batches=(1,), sizes=(4, 1))  # a warm start: every graph saved, no process
+    again.compile_in_background(families, upgrade=False)
+    assert again.wait_background(timeout=900) and again.worker is None and again.built == 3
+    assert sum(step.cache_hits for step in again.precompiled.values()) == 3
 
 
 def test_where_the_graph_process_fails_the_thread_compiles_what_is_left(tok, tmp_path, monkeypatch):

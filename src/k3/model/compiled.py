@@ -123,6 +123,7 @@ class CompiledStep:
             raise ValueError("precompiled: graphs whose weights are inputs (not tuned)")
         self.model, self.tuned, self.replayed, self.gate = model, tuned, replayed, gate
         self.precompiled, self._files = files is not None, files
+        self.load_only = False  # precompiled: a graph not on disk raises FileNotFoundError instead of compiling
         persistent_cache()
         _stack_packed(model)
         self.compilations = 0
@@ -257,6 +258,8 @@ class CompiledStep:
             path = self._files.path("replayed" if self.replayed else "step", key)
             with _COMPILE_LOCK:
                 graph = self._files.load(path)
+                if graph is None and self.load_only:
+                    raise FileNotFoundError(path)
                 self.cache_hits += graph is not None
                 if graph is None:
                     graph = self._files.compile(self._function, path, input_ids, inputs)
@@ -547,15 +550,9 @@ class CompiledModel:
         warning. `ready` maps each family to the step serving it; an error stops the compilation with a warning
         (what is left runs as it is); `stop_background` parks it for good."""
         self._plan(families, upgrade)
-        if process and self.model.device.type == "cpu" and families:
-            try:
-                self.worker = GraphWorker.start(self.model, self.files.digest, families)
-            except Exception as err:  # a model that does not pickle, no process: compile here instead
-                warnings.warn(f"k3: no graph process ({err!r}); compiling in this process", RuntimeWarning,
-                              stacklevel=2)
         _BACKGROUND[0] += 1
-        threads = torch.get_num_threads()
-        self.background = self.gate.start(lambda: self._compile_all(threads), "k3-compile")
+        threads, process = torch.get_num_threads(), process and self.model.device.type == "cpu"
+        self.background = self.gate.start(lambda: self._compile_all(threads, process), "k3-compile")
         return self.background
 
     def _plan(self, families: list[tuple], upgrade: bool) -> None:
@@ -584,11 +581,14 @@ class CompiledModel:
             self.worker.stop()
 
     @torch.inference_mode()
-    def _compile_all(self, threads: int) -> None:
-        """`compile_in_background`'s thread: `_build_planned`, stopped with a warning by an error."""
+    def _compile_all(self, threads: int, process: bool) -> None:
+        """`compile_in_background`'s thread: with ``process``, the precompiled graphs already saved are loaded and
+        a graph process started for the others (`_start_worker`); then `_build_planned`, stopped with a warning by
+        an error."""
         torch.set_num_threads(threads)  # the caller's count (part of every graph's key), not a new thread's default
         try:
-            self._build_planned()
+            contexts: dict[int, DecoderState] = {}
+            self._build_planned(contexts=contexts, loaded=self._start_worker(contexts) if process else set())
         except Exception as err:  # the steps go on as they are for what is left
             self.background_error = err
             print(f"k3: background compilation stopped, what is left runs as it is: {err!r}", file=sys.stderr,
@@ -598,13 +598,40 @@ class CompiledModel:
             if self.worker is not None:
                 self.worker.stop()
 
-    def _build_planned(self, built: Callable[[tuple], None] | None = None) -> None:
+    def _start_worker(self, contexts: dict[int, DecoderState]) -> set[tuple]:
+        """Load (and switch to) the planned precompiled graphs that are saved already; start a `GraphWorker` on the
+        others (none where every one was saved; with a warning where it cannot start: this thread compiles them
+        then). Returns the families loaded."""
+        missing, loaded = [], set()
+        for family, tier in self.planned:
+            if tier == "precompiled":
+                step = self.precompiled[family[0]]
+                step.load_only = True
+                try:
+                    self._build(family, contexts, step)
+                    self.ready[family], self.built = step, self.built + 1
+                    loaded.add(family)
+                except FileNotFoundError:
+                    missing.append(family)
+                finally:
+                    step.load_only = False
+        try:
+            self.worker = GraphWorker.start(self.model, self.files.digest, missing) if missing else None
+        except Exception as err:  # a model that does not pickle, no process: compile here instead
+            warnings.warn(f"k3: no graph process ({err!r}); compiling in this process", RuntimeWarning, stacklevel=2)
+        return loaded
+
+    def _build_planned(self, built: Callable[[tuple], None] | None = None,
+                       contexts: dict[int, DecoderState] | None = None, loaded: frozenset | set = frozenset()) -> None:
         """Build the `planned` graphs in order, switching each family to its graph once built (a precompiled one
-        loaded once the graph process has saved it, if there is one)."""
-        contexts: dict[int, DecoderState] = {}
-        for family, tier in self.planned[self.built:]:
+        the graph process builds: loaded once it is saved; ``loaded``: precompiled families built already)."""
+        contexts = {} if contexts is None else contexts
+        for family, tier in self.planned:
+            if tier == "precompiled" and family in loaded:
+                continue
             worker = self.worker if tier == "precompiled" and self.worker is not None else None
-            if worker is not None and worker.failure is None and not worker.wait_for(family):
+            if worker is not None and family in worker.families and worker.failure is None \
+                    and not worker.wait_for(family):
                 warnings.warn(f"k3: {worker.failure}; compiling the rest in this process", RuntimeWarning,
                               stacklevel=2)
             step = (self.precompiled if tier == "precompiled" else self._steps())[family[0]]

@@ -54,8 +54,8 @@ class GraphWorker:
     """The process building precompiled graphs for a server (``python -m k3.model.graph_process``): `start` it
     with the families in order, `wait_for` each before loading its file, `stop` it."""
 
-    def __init__(self, process: subprocess.Popen) -> None:
-        self.process = process
+    def __init__(self, process: subprocess.Popen, families: list[tuple]) -> None:
+        self.process, self.families = process, families
         self.failure: str | None = None  # why it ended before building every family
 
     @classmethod
@@ -75,7 +75,7 @@ class GraphWorker:
             process.kill()
             process.wait()
             raise
-        return cls(process)
+        return cls(process, families)
 
     def wait_for(self, family: tuple) -> bool:
         """Block until the process has saved ``family``'s graph (True), or has ended without it (False, `failure`
