@@ -1,8 +1,8 @@
 """The compiled steps (`k3.model.compiled`, issue 18) against eager: the same greedy tokens and logits within fp32
 reassociation (stated: 1e-4 absolute on logits of magnitude ~1) for chunked prefill, decode, the serving engine's
-mixed steps with requests joining and leaving, a QAT/MX model and frozen (tuned) weights that change; a graph per
-shape key and never another after warm-up; and ``k3 generate --compile`` giving eager's text while the plain
-command imports no compiler."""
+mixed steps with requests joining and leaving and a QAT/MX model; a graph per shape key and never another after
+warm-up; and ``k3 generate --compile`` giving eager's text while the plain command imports no compiler. Frozen
+weights that change and packed experts: `test_compiled_weights.py`."""
 
 from __future__ import annotations
 
@@ -16,35 +16,12 @@ import pytest
 import torch
 
 import serving
+from compiled_steps import LOGIT_TOLERANCE, generate_both
 from k3 import K3ForCausalLM
 from k3.config import preset
-from k3.model import onednn
 from k3.model.compiled import CompiledModel, pieces
 from k3.model.sequence.mla import MLACache
 from k3.model.state import DecoderState
-
-LOGIT_TOLERANCE = 1e-4
-
-
-def _generate_both(model: K3ForCausalLM, compiled: CompiledModel, prompt: torch.Tensor, steps: int):
-    """Prefill ``prompt`` and greedily decode ``steps`` tokens, eagerly (one model call for the whole prompt) and
-    compiled (prompt pieces, then decode steps); returns both token lists and the largest logit difference."""
-    with torch.no_grad():
-        logits, state = model(prompt, state=model.new_state(prompt.shape[0]))
-    eager: tuple[torch.Tensor, DecoderState] = (logits[:, -1], state)
-    fast = compiled.step(prompt, model.new_state(prompt.shape[0]))
-    tokens_eager, tokens_fast, worst = [], [], float((eager[0] - fast[0]).abs().max())
-    for _ in range(steps):
-        te, tf = eager[0].argmax(-1, keepdim=True), fast[0].argmax(-1, keepdim=True)
-        tokens_eager.append(te.flatten().tolist())
-        tokens_fast.append(tf.flatten().tolist())
-        with torch.no_grad():
-            le, se = model(te, state=eager[1])
-        eager, fast = (le[:, -1], se), compiled.step(tf, fast[1])
-        worst = max(worst, float((eager[0] - fast[0]).abs().max()))
-        assert fast[1].position == se.position
-    return tokens_eager, tokens_fast, worst
-
 
 def test_pieces_are_bucket_lengths_largest_first():
     assert pieces(37) == [16, 16, 4, 1] and pieces(64) == [64] and pieces(130) == [64, 64, 1, 1] and pieces(0) == []
@@ -57,17 +34,17 @@ def test_compiled_prefill_and_decode_equal_eager_with_one_graph_per_shape_key():
     model = serving.model()
     compiled = CompiledModel(model, tuned=False)
     text = serving.prompts()[5]  # 120 tokens
-    eager, fast, worst = _generate_both(model, compiled, torch.tensor([text[:21]]), steps=10)  # 16 + 4 + 1
+    eager, fast, worst = generate_both(model, compiled, torch.tensor([text[:21]]), steps=10)  # 16 + 4 + 1
     assert fast == eager and worst < LOGIT_TOLERANCE
     # a 16-piece on an empty cache, a 4-piece on a cache, one-token steps on a cache of any length (it grows)
     assert compiled.compilations == 3
-    eager, fast, worst = _generate_both(model, compiled, torch.tensor([text[40:77]]), steps=4)  # 16 + 16 + 4 + 1
+    eager, fast, worst = generate_both(model, compiled, torch.tensor([text[40:77]]), steps=4)  # 16 + 16 + 4 + 1
     assert fast == eager and worst < LOGIT_TOLERANCE
     assert compiled.compilations == 4  # only the 16-piece on a non-empty cache is new
-    _generate_both(model, compiled, torch.tensor([text[1:38]]), steps=3)
+    generate_both(model, compiled, torch.tensor([text[1:38]]), steps=3)
     assert compiled.compilations == 4  # warm: no graph however the lengths vary
     pair = torch.tensor([text[:9], text[50:59]])  # 4 + 4 + 1 on two rows; decode at batch 2
-    eager, fast, worst = _generate_both(model, compiled, pair, steps=4)
+    eager, fast, worst = generate_both(model, compiled, pair, steps=4)
     assert fast == eager and worst < LOGIT_TOLERANCE
     assert compiled.compilations == len(compiled.compile_seconds)  # every graph built once, for its own key
     with pytest.raises(ValueError, match="token ids"):
@@ -99,25 +76,6 @@ def test_a_state_made_in_one_grad_mode_decodes_on_warm_graphs_in_the_other(infer
     assert compiled.compilations == 1 and compiled.eager_calls == 0
 
 
-def test_tuned_decode_equals_eager_and_recompiles_when_the_frozen_weights_change():
-    """Freezing makes the weights constants of the graph: an in-place update must not leave a stale graph."""
-    model = serving.model()
-    compiled = CompiledModel(model, sizes=(4, 1))
-    prompt = torch.tensor([serving.prompts()[2][:8]])
-    eager, fast, worst = _generate_both(model, compiled, prompt, steps=5)
-    assert fast == eager and worst < LOGIT_TOLERANCE
-    assert compiled.decode_step.compilations == 1
-    with torch.no_grad():
-        model.lm_head.weight.mul_(-1.0)  # every greedy choice changes
-    eager_after, fast_after, worst = _generate_both(model, compiled, prompt, steps=5)
-    assert fast_after == eager_after != eager and worst < LOGIT_TOLERANCE
-    assert compiled.decode_step.compilations == 2  # the frozen graph, built again once
-    model.lm_head.weight = torch.nn.Parameter(-model.lm_head.weight.detach())  # a new tensor assigned, as it was
-    eager_new, fast_new, worst = _generate_both(model, compiled, prompt, steps=5)
-    assert fast_new == eager_new == eager and worst < LOGIT_TOLERANCE
-    assert compiled.decode_step.compilations == 3
-
-
 def test_a_changed_thread_count_runs_a_graph_of_its_own():
     """dynamo guards on the thread count (its global state): a warm step after ``torch.set_num_threads`` raised
     "Recompilation triggered with skip_guard_eval_unsafe" until the count joined the shape key."""
@@ -128,7 +86,7 @@ def test_a_changed_thread_count_runs_a_graph_of_its_own():
     try:
         for count in (threads, 1, threads):
             torch.set_num_threads(count)
-            eager, fast, worst = _generate_both(model, compiled, prompt, steps=3)
+            eager, fast, worst = generate_both(model, compiled, prompt, steps=3)
             assert fast == eager and worst < LOGIT_TOLERANCE
     finally:
         torch.set_num_threads(threads)
@@ -144,7 +102,7 @@ def test_a_thread_at_dynamos_default_recompile_limit_still_builds_a_graph_per_sh
     compiled = CompiledModel(model, sizes=(4, 1), tuned=False)
     prompt = torch.tensor([serving.prompts()[2][:5]])
     with torch._dynamo.config.patch(recompile_limit=1, accumulated_recompile_limit=1):
-        eager, fast, worst = _generate_both(model, compiled, prompt, steps=3)
+        eager, fast, worst = generate_both(model, compiled, prompt, steps=3)
     assert fast == eager and worst < LOGIT_TOLERANCE
     assert compiled.compilations == 2  # the 4-piece on an empty cache, then decode steps on a cache
 
@@ -156,96 +114,8 @@ def test_compiled_decode_of_a_qat_model_equals_eager():
     config = dataclasses.replace(preset("tiny"), mx=dataclasses.replace(QAT_MX))
     torch.manual_seed(0)
     model = K3ForCausalLM(config).eval()
-    eager, fast, worst = _generate_both(model, CompiledModel(model, tuned=False), torch.tensor([[5, 9, 3, 7]]), 6)
+    eager, fast, worst = generate_both(model, CompiledModel(model, tuned=False), torch.tensor([[5, 9, 3, 7]]), 6)
     assert fast == eager and worst < LOGIT_TOLERANCE
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
-def test_compiled_steps_of_a_packed_model_equal_eager_and_compile_nothing_after_warm_up(mode):
-    """Packed MXFP4 experts (the release's layout) in a compiled step: each layer of them is one operator of the
-    graph (`k3::mxfp4_experts`), so a step is one graph (before: the dispatch ran eagerly between graph pieces, one
-    more piece per MoE layer), and steps whose routings differ reuse the warm graphs (before that: each new routing
-    needed a graph, and "Recompilation triggered with skip_guard_eval_unsafe stance" ended the loop), under no_grad
-    and inference_mode alike, the `CompiledModel` made inside the mode too (issue 37; before, stacking the experts'
-    bytes there made inference tensors, whose versions its weight check cannot read)."""
-    from torch._dynamo.utils import counters
-
-    from k3.model.packed import PackedExperts, replace_experts
-
-    counters.clear()
-    torch.manual_seed(0)
-    model = replace_experts(K3ForCausalLM(preset("tiny")).eval(), PackedExperts.pack)
-    compiled, built = None, []
-    for prompt in ([5, 9, 3, 7, 11, 2, 8, 4], [40, 1, 77, 30, 6, 6, 19, 23]):  # the second: other routings
-        with mode():
-            compiled = compiled or CompiledModel(model, sizes=(4, 1), tuned=False)
-            logits, state = compiled(torch.tensor([prompt]), model.new_state(1))
-            eager_logits, eager = model(torch.tensor([prompt]), state=model.new_state(1))
-            for _ in range(12):
-                assert float((logits - eager_logits[:, -1:]).abs().max()) < LOGIT_TOLERANCE
-                token = logits[:, -1].argmax(-1, keepdim=True)
-                assert token.equal(eager_logits[:, -1].argmax(-1, keepdim=True))
-                logits, state = compiled(token, state)
-                eager_logits, eager = model(token, state=eager)
-        built.append(compiled.compilations)
-    assert built[1] == built[0] > 0
-    assert not counters["graph_break"], dict(counters["graph_break"])
-
-
-@pytest.mark.slow
-def test_a_tuned_packed_step_follows_expert_bytes_written_in_place_and_weights_loaded():
-    """Tuned graphs freeze the packed experts' stacked bytes. A write through one expert's own tensor (a view of the
-    stack) must rebuild them, and so must a state dict loaded with ``assign``, which the experts stack anew (before:
-    the graph kept the stack made at compile time and gave the old model's logits)."""
-    from k3.model.packed import PackedExperts, replace_experts
-
-    torch.manual_seed(0)
-    model, other = (replace_experts(K3ForCausalLM(preset("tiny")).eval(), PackedExperts.pack) for _ in range(2))
-    compiled = CompiledModel(model, sizes=(4, 1))
-    prompt = torch.tensor([[5, 9, 3, 7, 11, 2, 8, 4]])
-    before, fast, worst = _generate_both(model, compiled, prompt, steps=4)
-    assert fast == before and worst < LOGIT_TOLERANCE
-    built = compiled.decode_step.compilations
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, PackedExperts):
-                for expert in module.packed:
-                    expert.w2.weight_scale.add_(2)  # every down projection × 4, in place
-    eager, fast, worst = _generate_both(model, compiled, prompt, steps=4)
-    assert fast == eager and worst < LOGIT_TOLERANCE
-    assert compiled.decode_step.compilations == built + 1
-    with torch.no_grad():
-        model.load_state_dict(other.state_dict(), assign=True)
-        assert torch.equal(model(prompt)[0], other(prompt)[0])
-    eager, fast, worst = _generate_both(model, compiled, prompt, steps=4)
-    assert fast == eager and worst < LOGIT_TOLERANCE
-
-
-@pytest.mark.slow
-def test_a_packed_model_is_precompiled_and_a_second_model_loads_its_graphs(tmp_path, monkeypatch):
-    """Precompiled steps of a packed MXFP4 model (before: refused, its dispatch broke the graph): compiled and saved
-    once, loaded by a second `CompiledModel` without compiling; both give eager's logits and tokens, and the loaded
-    graphs take their products by weights through oneDNN (``k3::linear``) and their experts through the kernel."""
-    from k3.model.packed import PackedExperts, replace_experts
-
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setattr(onednn, "MIN_ELEMENTS", 0)  # every product by a weight through oneDNN: none is 2^20 here
-    torch.manual_seed(0)
-    model = replace_experts(K3ForCausalLM(preset("tiny")).eval(), PackedExperts.pack)
-    prompt = torch.tensor([[5, 9, 3, 7, 11, 2, 8, 4, 40, 1, 77]])
-    for loads in (0, 3):
-        compiled = CompiledModel(model, batches=(1,), sizes=(4, 1))
-        compiled.precompile(compiled.families(1, prefill=True))
-        assert (compiled.compilations, compiled.cache_hits) == (3, loads)  # the decode step, the 4-piece on 2 sides
-        with torch.inference_mode():
-            eager, fast, worst = _generate_both(model, compiled, prompt, steps=4)
-        assert fast == eager and worst < LOGIT_TOLERANCE
-        assert compiled.eager_calls == 0 and compiled.graph_calls > 0
-    assert len(list((tmp_path / "k3" / "graphs").rglob("*.pt2"))) == 3
-    with torch.inference_mode(), torch.profiler.profile() as profile:  # the loaded graphs' products: oneDNN's
-        compiled.step(prompt[:, -1:], model(prompt[:, :-1], state=model.new_state(1))[1])
-    assert {"k3::linear", "k3::mxfp4_experts"} <= {event.key for event in profile.key_averages()}
 
 
 @pytest.mark.slow
@@ -373,7 +243,7 @@ def test_caches_longer_than_the_cascade_sum_length_run_graphs_that_warm_up_built
     # decode steps from 4,090 cached positions to 4,098; then 4-pieces up to a cache of 4,100 (the last one long)
     for prompt, steps in ((text[:, :4090], 8), (text, 2)):
         with torch.inference_mode():  # as the engine steps, and as warm_up built the graphs
-            eager, fast, worst = _generate_both(model, compiled, prompt, steps)
+            eager, fast, worst = generate_both(model, compiled, prompt, steps)
         assert fast == eager and worst < LOGIT_TOLERANCE
     assert compiled.compilations == 5
 

@@ -18,6 +18,8 @@ __all__ = ["main"]
 
 
 def main() -> int:
+    channel = os.fdopen(os.dup(1), "w", buffering=1)  # the server reads only the families named here:
+    os.dup2(2, 1)  # whatever else writes to standard output (a library's print) goes to standard error
     header = json.loads(sys.stdin.buffer.readline())
     data = sys.stdin.buffer.read(header["bytes"])
     exit_with_parent()
@@ -30,7 +32,7 @@ def main() -> int:
         return 3
 
     def built(family: tuple) -> None:
-        print(json.dumps(list(family)), flush=True)
+        print(json.dumps(list(family)), file=channel, flush=True)
 
     CompiledModel(model).precompile([tuple(f) for f in header["families"]], built)
     return 0
@@ -39,4 +41,5 @@ def main() -> int:
 if __name__ == "__main__":
     code = main()
     sys.stdout.flush()
+    sys.stderr.flush()
     os._exit(code)  # without waiting on the compiler's worker pool to wind down

@@ -82,7 +82,7 @@ class GraphWorker:
         says why). Families come in the order `start` gave them."""
         if self.failure is None:
             line = self.process.stdout.readline()
-            if line and tuple(json.loads(line)) == family:
+            if line == json.dumps(list(family)).encode() + b"\n":  # as the process writes it
                 return True
             self.stop()
             code = self.process.returncode
