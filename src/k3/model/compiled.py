@@ -51,7 +51,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import fields, replace
+from dataclasses import replace
 
 import torch
 from torch import Tensor
@@ -59,12 +59,12 @@ from torch import Tensor
 from k3.files import user_cache
 from k3.model.background import Gate
 from k3.model.cudagraph import GraphedDecode
+from k3.model.graph_inputs import cache_slots, canonical, graph_state
 from k3.model.graph_worker import GraphWorker
 from k3.model.lm import K3ForCausalLM
 from k3.model.packed import PackedExperts
 from k3.model.precompiled import GraphFiles, forward_replayed, forward_step
 from k3.model.projections import fused
-from k3.model.sequence.kda import KDAState
 from k3.model.sequence.mla import MLACache, MLASlots
 from k3.model.state import DecoderState
 
@@ -220,11 +220,10 @@ class CompiledStep:
         """The step of ``key`` on the MLA caches as `MLASlots` (the graph writes their new entries in place), on its
         traced or precompiled graph."""
         tokens = input_ids.shape[1]
-        slots = _slots(state, tokens)
-        inputs = DecoderState([_graph_input(layer) for layer in slots], _optional(state.depth), 0,
-                              _optional(state.padding))
+        slots = cache_slots(state, tokens)
+        inputs = graph_state(state, slots)
         run = self._run_precompiled if self.precompiled else self._run_traced
-        logits, after = run(key, _canonical(input_ids), inputs)
+        logits, after = run(key, canonical(input_ids), inputs)
         # the graph's output caches view the storage it wrote into: tie them to it, now that much longer
         layers = [before.storage.advance(out) if isinstance(before, MLASlots) else out
                   for out, before in zip(after.layers, slots, strict=True)]
@@ -283,43 +282,6 @@ def _compiling(options: dict) -> Iterator[None]:
           dynamo.patch(recompile_limit=RECOMPILE_LIMIT, accumulated_recompile_limit=16 * RECOMPILE_LIMIT,
                        fail_on_recompile_limit_hit=True)):
         yield
-
-
-def _slots(state: DecoderState, tokens: int) -> list:
-    """Each MLA layer's cache as `MLASlots` with room for ``tokens`` entries (the graph writes them in place), all of
-    one capacity (a graph's symbolic sizes of equal values are one symbol, which later calls must keep equal)."""
-    slots = [layer.slots(tokens) if isinstance(layer, MLACache) else layer for layer in state.layers]
-    if len({s.latent_storage.shape[1] for s in slots if isinstance(s, MLASlots)}) > 1:
-        slots = [MLACache(s.latent, s.shared_key).slots(tokens) if isinstance(s, MLASlots) else s for s in slots]
-    return slots
-
-
-def _graph_input(layer: KDAState | MLASlots) -> KDAState | MLASlots:
-    """A layer's state as a graph input: `MLASlots` without its Python bookkeeping, the storage's length dimension
-    and the length carrier marked dynamic; a KDA state with canonical strides."""
-    if not isinstance(layer, MLASlots):
-        return replace(layer, **{f.name: _canonical(getattr(layer, f.name)) for f in fields(layer)})
-    for t in (layer.latent_storage, layer.key_storage):
-        torch._dynamo.maybe_mark_dynamic(t, 1)
-    torch._dynamo.maybe_mark_dynamic(layer.filled, 0)
-    return replace(layer, storage=None)
-
-
-def _optional(t: Tensor | None) -> Tensor | None:
-    return None if t is None else _canonical(t)
-
-
-def _canonical(t: Tensor) -> Tensor:
-    """``t`` with a fresh tensor's strides (dynamo guards on every stride, size-1 dimensions' included): a slice of
-    a prompt or a ShortConv window cut from a chunk would otherwise make a graph of its own; and a tensor of the grad
-    mode's kind (an inference tensor inside `torch.inference_mode`, a normal one outside: dynamo guards on that too),
-    so a state made in one mode and stepped in the other runs on warm graphs."""
-    expected, step = [], 1
-    for size in reversed(t.shape):
-        expected.append(step)
-        step *= size
-    fresh = t.stride() == tuple(reversed(expected)) and t.is_inference() == torch.is_inference_mode_enabled()
-    return t if fresh else t.clone(memory_format=torch.contiguous_format)
 
 
 def cached(state: DecoderState, tokens: int = 1) -> int:
