@@ -38,7 +38,8 @@ weights that inductor will not cache, so every process compiles those again. *Pr
 (`k3.model.precompiled`: the weights are graph inputs, the whole step is saved to a file) load in seconds instead:
 ``k3 generate --compile`` decodes on one (`CompiledModel.precompile`), and a server builds its graphs in the
 background while it serves eagerly (`CompiledModel.compile_in_background`): the precompiled graph of every family
-first, then the tuned decode and verification graphs that replace them.
+first (compiled by a process of its own on the CPU, `k3.model.graph_worker`), then the tuned decode and verification
+graphs that replace them.
 """
 
 from __future__ import annotations
