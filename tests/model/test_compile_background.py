@@ -101,7 +101,8 @@ def test_where_the_graph_process_fails_the_thread_compiles_what_is_left(tok, tmp
 def test_the_graph_process_ends_with_its_server(tmp_path):
     """The graph process exits when the server closes its pipe (`GraphWorker.stop`) and when the server's process
     dies without a word (its pipe then reaches end of file), before building anything."""
-    worker = GraphWorker.start(serving.model(), layout_digest(serving.model()), [("decode", 1, 2)])
+    model = serving.model()
+    worker = GraphWorker.start(model, layout_digest(model), [("decode", 1, 2)])
     worker.stop()
     assert worker.process.returncode == 0
     script = textwrap.dedent("""

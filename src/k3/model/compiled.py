@@ -551,7 +551,9 @@ class CompiledModel:
         torch.set_num_threads(threads)  # the caller's count (part of every graph's key), not a new thread's default
         try:
             contexts: dict[int, DecoderState] = {}
-            self._build_planned(contexts=contexts, loaded=self._start_worker(contexts) if process else set())
+            if process:
+                self._start_worker(contexts)
+            self._build_planned(contexts=contexts)
         except Exception as err:  # the steps go on as they are for what is left
             self.background_error = err
             print(f"k3: background compilation stopped, what is left runs as it is: {err!r}", file=sys.stderr,
@@ -561,11 +563,11 @@ class CompiledModel:
             if self.worker is not None:
                 self.worker.stop()
 
-    def _start_worker(self, contexts: dict[int, DecoderState]) -> set[tuple]:
+    def _start_worker(self, contexts: dict[int, DecoderState]) -> None:
         """Load (and switch to) the planned precompiled graphs that are saved already; start a `GraphWorker` on the
         others (none where every one was saved; with a warning where it cannot start: this thread compiles them
-        then). Returns the families loaded."""
-        missing, loaded = [], set()
+        then)."""
+        missing = []
         for family, tier in self.planned:
             if tier == "precompiled":
                 step = self.precompiled[family[0]]
@@ -573,7 +575,6 @@ class CompiledModel:
                 try:
                     self._build(family, contexts, step)
                     self.ready[family], self.built = step, self.built + 1
-                    loaded.add(family)
                 except FileNotFoundError:
                     missing.append(family)
                 finally:
@@ -582,22 +583,21 @@ class CompiledModel:
             self.worker = GraphWorker.start(self.model, self.files.digest, missing) if missing else None
         except Exception as err:  # a model that does not pickle, no process: compile here instead
             warnings.warn(f"k3: no graph process ({err!r}); compiling in this process", RuntimeWarning, stacklevel=2)
-        return loaded
 
     def _build_planned(self, built: Callable[[tuple], None] | None = None,
-                       contexts: dict[int, DecoderState] | None = None, loaded: frozenset | set = frozenset()) -> None:
+                       contexts: dict[int, DecoderState] | None = None) -> None:
         """Build the `planned` graphs in order, switching each family to its graph once built (a precompiled one
-        the graph process builds: loaded once it is saved; ``loaded``: precompiled families built already)."""
+        the graph process builds: loaded once it is saved; one already serving its family: skipped)."""
         contexts = {} if contexts is None else contexts
         for family, tier in self.planned:
-            if tier == "precompiled" and family in loaded:
+            step = (self.precompiled if tier == "precompiled" else self._steps())[family[0]]
+            if self.ready.get(family) is step:  # loaded by `_start_worker`
                 continue
-            worker = self.worker if tier == "precompiled" and self.worker is not None else None
+            worker = self.worker if tier == "precompiled" else None
             if worker is not None and family in worker.families and worker.failure is None \
                     and not worker.wait_for(family):
                 warnings.warn(f"k3: {worker.failure}; compiling the rest in this process", RuntimeWarning,
                               stacklevel=2)
-            step = (self.precompiled if tier == "precompiled" else self._steps())[family[0]]
             self._build(family, contexts, step)
             self.ready[family] = step
             self.built += 1
