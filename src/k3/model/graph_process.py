@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import sys
+import traceback
+from typing import TextIO
 
 import torch
 
@@ -17,9 +19,9 @@ from k3.model.precompiled import layout_digest
 __all__ = ["main"]
 
 
-def main() -> int:
-    channel = os.fdopen(os.dup(1), "w", buffering=1)  # the server reads only the families named here:
-    os.dup2(2, 1)  # whatever else writes to standard output (a library's print) goes to standard error
+def main(channel: TextIO) -> int:
+    """Build what standard input asks for, naming each family on ``channel``; the exit status (3: another layout).
+    ``channel`` must stay open until the process exits: the server reads its end of file as the process's end."""
     header = json.loads(sys.stdin.buffer.readline())
     data = sys.stdin.buffer.read(header["bytes"])
     exit_with_parent()
@@ -39,7 +41,17 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    code = main()
+    # The server reads only the families named on this private copy of standard output; whatever else writes there
+    # (a library's print) goes to standard error. It stays open until `os._exit`, so the server never sees its end
+    # of file (and closes this process's standard input, `exit_with_parent`: exit status 0) before the exit status
+    # is set.
+    CHANNEL = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    try:
+        code = main(CHANNEL)
+    except BaseException:  # noqa: BLE001 - reported as exit status 1, not as the parent's end of file (status 0)
+        traceback.print_exc()
+        code = 1
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)  # without waiting on the compiler's worker pool to wind down
