@@ -16,7 +16,7 @@ with ``logprobs=0`` so that every generated token arrives as its own chunk).
    (``Engine(compile=True)``); and ``k3 serve --compile --max-batch 16`` over HTTP, which compiles every graph
    it can reach before it listens (that start-up reported apart as "compile s"). Both Kimi Linear servers run
    with ``--max-model-len 4096`` (the prompts are short): past 4,096 positions a compiled server builds its graphs
-   twice (`k3.model.compiled.CASCADE_SUM`).
+   twice (`k3.model.compiled_step.CASCADE_SUM`).
 
 Every throughput row is the median of three timed runs (all three rates are in the JSON); a ``--compile``
 server's rows also count the graphs it compiled while timed (``GET /metrics``), so a stall for a new shape key shows.
@@ -274,7 +274,7 @@ def main() -> None:
     with Server(small, THROUGHPUT_CHUNK) as url:
         for c in concurrency:
             record({"model": "small", "impl": "kimi-k3 HTTP", "concurrency": c,
-                    **median_of(RUNS, lambda: run_clients(url, prompts[:c], max_tokens))})
+                    **median_of(RUNS, lambda c=c: run_clients(url, prompts[:c], max_tokens))})
 
     # 2. identical Kimi Linear weights: k3 over HTTP vs transformers generate
     hf, ours = kimi_linear_pair(tokenizer.vocab_size, pad_token_id=0)  # generate pads batches with id 0
@@ -284,7 +284,7 @@ def main() -> None:
     with Server(kimi, THROUGHPUT_CHUNK, max_model_len=KIMI_CONTEXT) as url:
         for c in concurrency:
             record({"model": pair, "impl": "kimi-k3 HTTP", "concurrency": c,
-                    **median_of(RUNS, lambda: run_clients(url, prompts[:c], max_tokens))})
+                    **median_of(RUNS, lambda c=c: run_clients(url, prompts[:c], max_tokens))})
     n = concurrency[-1]
     start = time.perf_counter()
     # the --compile server listens once every graph is built
@@ -292,7 +292,7 @@ def main() -> None:
         warm_up = time.perf_counter() - start
         for c in concurrency:
             graphs = compiled_graphs(url)
-            row = median_of(RUNS, lambda: run_clients(url, prompts[:c], max_tokens))
+            row = median_of(RUNS, lambda c=c: run_clients(url, prompts[:c], max_tokens))
             record({"model": pair, "impl": "kimi-k3 HTTP --compile", "concurrency": c, **row,
                     "graphs_compiled_while_timed": compiled_graphs(url) - graphs,
                     **({"compile_s": warm_up} if c == n else {})})
@@ -304,8 +304,8 @@ def main() -> None:
     del ours
     for batched in (False, True):
         record({"model": pair, "impl": f"transformers generate ({'batched' if batched else 'sequential'})",
-                "concurrency": n, **median_of(RUNS, lambda: transformers_generate(hf, prompts[:n], max_tokens,
-                                                                                   batched))})
+                "concurrency": n, **median_of(RUNS, lambda batched=batched, model=hf: transformers_generate(
+                    model, prompts[:n], max_tokens, batched))})
     del hf
 
     # 3. a long prompt while 8 clients stream

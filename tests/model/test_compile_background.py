@@ -1,6 +1,6 @@
 """Compilation that never blocks users (issue 37): graphs built on a background thread while the engine serves
 eagerly (`CompiledModel.compile_in_background`, `k3.model.background.Gate`), and inductor's on-disk cache kept across
-processes (`k3.model.compiled.persistent_cache`)."""
+processes (`k3.model.compiled_step.persistent_cache`)."""
 
 from __future__ import annotations
 

@@ -95,7 +95,7 @@ def test_a_changed_thread_count_runs_a_graph_of_its_own():
 
 def test_a_thread_at_dynamos_default_recompile_limit_still_builds_a_graph_per_shape_key():
     """dynamo's recompile limit is per thread: a background thread compiled under the default (8) although the
-    constructor had raised it, and past 8 graphs of `CompiledStep._forward` in the process (every instance's count)
+    constructor had raised it, and past 8 graphs of `CompiledStep.eager` in the process (every instance's count)
     its step silently ran eagerly, was marked built and later picked another instance's graph (stop 51's CI). Here
     the thread's limit is 1: each shape key still gets its own graph, and the tokens are eager's."""
     model = serving.model()

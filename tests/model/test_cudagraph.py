@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from k3.config import preset
-from k3.model.compiled import CompiledModel, CompiledStep
+from k3.model.compiled import CompiledModel
+from k3.model.compiled_step import CompiledStep
 from k3.model.cudagraph import GraphedDecode, mla_length
 from k3.model.lm import K3ForCausalLM
 from k3.model.precompiled import forward_step

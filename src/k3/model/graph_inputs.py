@@ -1,4 +1,4 @@
-"""How a step's state enters a compiled graph (`k3.model.compiled`): MLA caches as `MLASlots` the graph writes its
+"""How a step's state enters a compiled graph (`k3.model.compiled_step`): MLA caches as `MLASlots` the graph writes its
 new entries into, with their length dimensions marked dynamic, and every other tensor with a fresh tensor's strides
 and the grad mode's kind, so that dynamo's guards hold across calls."""
 

@@ -152,7 +152,7 @@ class K3ForCausalLM(nn.Module):
         if input_ids.dim() != 2 or input_ids.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"input_ids: expected an integer tensor [B, T], got {input_ids.dtype} "
                              f"{list(input_ids.shape)}")
-        if input_ids.numel() and not torch.compiler.is_compiling() and (  # compiled: `k3.model.compiled` checks
+        if input_ids.numel() and not torch.compiler.is_compiling() and (  # compiled: `k3.model.compiled_step` checks
                 int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab):
             raise ValueError(f"input_ids: token ids must lie in [0, vocab_size={vocab}), got "
                              f"[{int(input_ids.min())}, {int(input_ids.max())}]")

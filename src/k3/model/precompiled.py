@@ -4,7 +4,7 @@
 what a later process needs to run it — dynamo's transformed bytecode and inductor's kernels — into one file, which
 `torch.compiler.load_compiled_function` loads without tracing: ``small``'s decode step loads in ~2.4 s against ~45 s
 to compile it. The weights are *inputs* of these graphs, not constants frozen into them as in a tuned
-`k3.model.compiled.CompiledStep`: a file holds no weights (~4 MB), serves every checkpoint of one layout and stays
+`k3.model.compiled_step.CompiledStep`: a file holds no weights (~4 MB), serves every checkpoint of one layout and stays
 valid when the weights change; the price is speed (a decode step of ``small`` at batch 1: ~5 ms, against ~2.2 ms
 frozen and ~12 ms eager, on 2 cores), as weights that are inputs cannot be prepacked: the products by the largest
 go through oneDNN instead of MKL (`k3.model.onednn`; a d=1024 model's step: 19.6 ms against 23.1–23.4, eager 34.5).

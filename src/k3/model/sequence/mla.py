@@ -137,7 +137,7 @@ class MLACache:
 @dataclass(frozen=True)
 class MLASlots:
     """An MLA cache of ``filled.shape[0]`` entries at the front of preallocated ``latent_storage [B, C, r]`` and
-    ``key_storage [B, C, s]`` (`MLACache.slots`; a compiled step's input, `k3.model.compiled`, whose graph writes
+    ``key_storage [B, C, s]`` (`MLACache.slots`; a compiled step's input, `k3.model.compiled_step`, whose graph writes
     the new entries in place). ``filled`` carries the length as a size (a zero-stride tensor), which a compiled
     graph keeps symbolic; ``storage`` (None inside a graph) is advanced by `append`."""
 
