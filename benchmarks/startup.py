@@ -153,8 +153,9 @@ def main() -> None:
     print(table(rows, columns))
     print(table(runs, [("model", "model"), ("run", "k3 generate"), ("seconds", "process s"),
                        ("speedup", "× eager"), ("same_text", "eager's text"), ("account", "compiled run's account")]))
-    write_results("startup" if args.only is None else f"startup_{args.only}", {"machine": machine(), "serve": rows, "generate": runs, "max_tokens": MAX_TOKENS,
-                              "think_s": args.think, "command": " ".join(sys.argv)})
+    write_results("startup" if args.only is None else f"startup_{args.only}",
+                  {"machine": machine(), "serve": rows, "generate": runs, "max_tokens": MAX_TOKENS,
+                   "think_s": args.think, "command": " ".join(sys.argv)})
 
 
 if __name__ == "__main__":

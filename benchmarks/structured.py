@@ -1,14 +1,14 @@
 """Structured output: what a grammar engine adds to each decoded token, and how long a schema takes to compile.
 
-For each candidate engine — xgrammar, llguidance, outlines-core — and for the engine behind
-`k3.serve.engine.structured` as the server calls it (``mask_`` on a logits row, then ``accept``): schemas
-``json_object`` (any object), ``flat`` (four scalars), ``nested`` (objects, arrays, an enum) and ``tool`` (function arguments) are compiled cold (the fastest of up
-to 3 compiles, each missing any cache) and driven by seeded random logits (``torch.randn``, argmax of the allowed
-tokens) until the value is complete or ``MAX_TOKENS`` tokens, request after request (seeds 0, 1, ...) until the case
-has 2,000 tokens (300 with ``--quick``). Per token we time the engine's work only — mask computation + accept (for k3:
-``mask_`` + ``accept``, so also expanding the bitmask onto the logits) — and report the median and p90, and the
-median as a share of one decode step of the ``small`` preset (``K3ForCausalLM``, random weights, batch 1, after a
-64-token prompt).
+For each candidate engine — xgrammar, llguidance, outlines-core — and for the engine behind `k3.serve.engine.structured`
+as the server calls it (``mask_`` on a logits row, then ``accept``): schemas ``json_object`` (any object), ``flat``
+(four scalars), ``nested`` (objects, arrays, an enum) and ``tool`` (function arguments) are compiled cold (the fastest
+of up to 3 compiles, each missing any cache) and driven by seeded random logits (``torch.randn``, argmax of the allowed
+tokens) until the value is complete or ``MAX_TOKENS`` tokens, request after request (seeds 0, 1, ...) until the case has
+2,000 tokens (300 with ``--quick``). Per token we time the engine's work only — mask computation + accept (for k3:
+``mask_`` + ``accept``, so also expanding the bitmask onto the logits) — and report the median and p90, and the median
+as a share of one decode step of the ``small`` preset (``K3ForCausalLM``, random weights, batch 1, after a 64-token
+prompt).
 
 Tokenizers: ``bpe-4k``, our byte-level BPE trained to the ``small`` vocabulary (4,096) on 2 MiB of the standard
 library; ``kimi-4k``, a `KimiTokenizer` with the same bytes as its first 3,840 ranks plus its 256 reserved special ids;

@@ -16,7 +16,8 @@ def test_the_gpu_benchmark_runs_on_a_cpu(tmp_path) -> None:
     out = tmp_path / "gpu.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--device", "cpu", "--quick", "--out",
-                          str(out), "--only", "equivalence", "decode", "train", "kda", "prefill", "dist", "--target", str(tmp_path)],
+                          str(out), "--only", "equivalence", "decode", "train", "kda", "prefill", "dist",
+                          "--target", str(tmp_path)],
                          env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     results = json.loads(out.read_text())

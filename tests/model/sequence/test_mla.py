@@ -265,8 +265,8 @@ def test_appends_in_place_never_change_a_cache_any_continuation_sees(steps, slac
             latent, key = torch.randn(2, tokens, 5, generator=gen), torch.randn(2, tokens, 2, generator=gen)
             caches.append(caches[i].append(latent, key))
             expected.append((torch.cat([expected[i][0], latent], 1), torch.cat([expected[i][1], key], 1)))
-    for cache, (latent, key) in zip(caches, expected, strict=True):
-        assert torch.equal(cache.latent, latent) and torch.equal(cache.shared_key, key)
+    for made, (latent, key) in zip(caches, expected, strict=True):
+        assert torch.equal(made.latent, latent) and torch.equal(made.shared_key, key)
 
 
 def test_decoding_appends_in_place_and_falls_back_where_it_must():
