@@ -127,3 +127,23 @@ def test_export_gguf_refuses_an_existing_file_and_a_config_llama_cpp_cannot_read
     assert not out.exists() and not list(tmp_path.glob(".*.partial"))
     assert main(["export", "--ckpt", str(ckpt), "--format", "gguf", "--out", str(tmp_path / "no" / "x.gguf")]) == 2
     assert "is not a directory" in capsys.readouterr().err
+
+
+
+def test_both_exports_refuse_a_tokenizer_they_cannot_write_and_write_nothing(tmp_path):
+    """A Kimi (tiktoken-style) tokenizer: neither the release layout's tokenizer files nor GGUF's vocabulary carry it
+    (`k3.interop.export.exportable`), so both writers refuse it by name before writing anything."""
+    from k3.interop.gguf_export import write_gguf
+    from k3.tokenization.kimi import KimiTokenizer
+    from kimi_fixtures import build_kimi_tokenizer_files
+
+    build_kimi_tokenizer_files(tmp_path / "kimi")
+    tokenizer = KimiTokenizer.load(tmp_path / "kimi")
+    model = K3ForCausalLM(dataclasses.replace(preset("tiny"), vocab_size=tokenizer.vocab_size))
+    refusal = "only kimi-k3's byte-level BPE tokenizer is exported, got KimiTokenizer"
+    with pytest.raises(ValueError, match=refusal):
+        write_gguf(model, tokenizer, tmp_path / "out.gguf", "kimi")
+    (tmp_path / "out").mkdir()
+    with pytest.raises(ValueError, match=refusal):
+        write_tokenizer(tokenizer, tmp_path / "out", 64)
+    assert not (tmp_path / "out.gguf").exists() and not list((tmp_path / "out").iterdir())

@@ -19,16 +19,22 @@ from k3.files import write_text
 from k3.model.checkpoint import load_model
 from k3.tokenization.bpe import SPECIAL_TOKENS, Tokenizer
 
-__all__ = ["export", "write_tokenizer"]
+__all__ = ["export", "exportable", "write_tokenizer"]
 
 TOKENIZER_CONFIG = "tokenizer_config.json"
 GENERATION_CONFIG = "generation_config.json"
 
 
-def write_tokenizer(tokenizer: Tokenizer, directory: Path, context_length: int) -> list[Path]:
-    """Write ``tokenizer.json``, ``tokenizer_config.json`` and ``generation_config.json`` for ``tokenizer``."""
+def exportable(tokenizer: object) -> Tokenizer:
+    """``tokenizer``, refused (`ValueError`) unless it is kimi-k3's byte-level BPE, the one tokenizer exported."""
     if not isinstance(tokenizer, Tokenizer):
         raise ValueError(f"export: only kimi-k3's byte-level BPE tokenizer is exported, got {type(tokenizer).__name__}")
+    return tokenizer
+
+
+def write_tokenizer(tokenizer: Tokenizer, directory: Path, context_length: int) -> list[Path]:
+    """Write ``tokenizer.json``, ``tokenizer_config.json`` and ``generation_config.json`` for ``tokenizer``."""
+    exportable(tokenizer)
     names = {"pad": "<|pad|>", "bos": "<|bos|>", "eos": "<|eos|>"}
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",

@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from k3.chat.template import CHAT_TEMPLATE
+from k3.interop.export import exportable
 from k3.model.checkpoint import load_model
 from k3.model.pretrained import MODEL, TEXT, release_config, release_tensors
 from k3.tokenization.bpe import NUM_SPECIAL_TOKENS, Tokenizer
@@ -104,8 +105,7 @@ def write_gguf(model: Any, tokenizer: Tokenizer, out: Path, name: str) -> None:
     """``model`` (a `K3ForCausalLM`) and ``tokenizer`` as the GGUF file ``out``."""
     import gguf
 
-    if not isinstance(tokenizer, Tokenizer):
-        raise ValueError(f"export: only kimi-k3's byte-level BPE tokenizer is exported, got {type(tokenizer).__name__}")
+    exportable(tokenizer)
     text = release_config(model)["text_config"]  # refuses a config the release layout cannot describe
     tensors = gguf_tensors(release_tensors(model, stored=False), text)
     packed = any(raw == MXFP4 for _, raw in tensors.values())
