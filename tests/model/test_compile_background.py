@@ -12,6 +12,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 import serving
@@ -124,6 +125,27 @@ def test_the_graph_process_ends_with_its_server(tmp_path):
         time.sleep(0.1)
     assert not status.exists() or "zombie" in status.read_text()
     assert not list(tmp_path.rglob("*.pt2"))
+
+
+def test_a_graph_process_is_refused_where_its_copy_would_take_over_half_the_available_memory(monkeypatch):
+    """The process holds a zeroed copy of every weight: `GraphWorker.start` refuses it (`MemoryError`, both sizes
+    named, no process started) where that is more than half of ``MemAvailable``, and starts it at exactly half."""
+    import k3.model.graph_worker as graph_worker
+
+    model = serving.model()
+    need = sum(t.numel() * t.element_size() for t in model.state_dict().values())  # tiny has no views or extras
+    assert graph_worker.layout_bytes(model) == need
+    digest, started = layout_digest(model), []
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: started.append(a))
+    monkeypatch.setattr(graph_worker, "available_bytes", lambda device: 2 * need - 1)
+    with pytest.raises(MemoryError, match=f"hold {need:,} bytes .* half of the {2 * need - 1:,} bytes available"):
+        GraphWorker.start(model, digest, [("decode", 1, 2)])
+    assert not started
+    monkeypatch.undo()
+    monkeypatch.setattr(graph_worker, "available_bytes", lambda device: 2 * need)
+    worker = GraphWorker.start(model, digest, [("decode", 1, 2)])
+    worker.stop()
+    assert worker.process.returncode == 0
 
 
 def test_a_step_outside_the_planned_families_runs_eagerly_beside_a_background_compilation(tok):

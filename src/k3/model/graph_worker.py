@@ -11,7 +11,8 @@ compiles each family at the lowest CPU priority (`NICE`: it takes what the serve
 directory, naming each family on its standard output as it is saved. The server's thread then only loads the file.
 The process ends with its parent: it exits when its standard input (a pipe from the server) reaches end of file.
 
-The process holds the model's size in zeroed memory while it runs.
+The process holds the model's size in zeroed memory while it runs: `start` refuses (`MemoryError`; the server's thread
+compiles then) where that is more than half the memory the machine has available.
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ import threading
 import torch
 from torch import nn
 
-__all__ = ["GraphWorker", "NICE", "layout_copy", "restore"]
+from k3.sizing.memory import available_bytes
+
+__all__ = ["GraphWorker", "NICE", "layout_bytes", "layout_copy", "restore"]
 
 NICE = 19  # the graph process's niceness: a busy server's steps keep the CPU
 
@@ -38,6 +41,12 @@ def layout_copy(model: nn.Module) -> bytes:
     memo.update({id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
                  for p in model.parameters()})
     return pickle.dumps(copy.deepcopy(model, memo))
+
+
+def layout_bytes(model: nn.Module) -> int:
+    """The bytes `restore` allocates for ``model``'s `layout_copy`: every parameter and buffer apart (views too)."""
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def restore(data: bytes, device: str) -> nn.Module:
@@ -61,7 +70,12 @@ class GraphWorker:
     @classmethod
     def start(cls, model: nn.Module, digest: str, families: list[tuple]) -> GraphWorker:
         """Start the process on a `layout_copy` of ``model`` (on the CPU; its thread count, this one's) to build
-        ``families`` in order. Raises where the model cannot be copied (pickled) or the process not started."""
+        ``families`` in order. Raises where the model cannot be copied (pickled), its copy would take more than half
+        the memory available (`MemoryError`) or the process cannot start."""
+        need, free = layout_bytes(model), available_bytes(torch.device("cpu"))
+        if free is not None and 2 * need > free:
+            raise MemoryError(f"the graph process would hold {need:,} bytes of zeroed weights, more than half of the "
+                              f"{free:,} bytes available")
         header = {"digest": digest, "families": [list(f) for f in families], "threads": torch.get_num_threads(),
                   "device": model.device.type}
         data = layout_copy(model)
