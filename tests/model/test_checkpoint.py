@@ -247,3 +247,16 @@ def test_a_full_disk_during_a_save_is_a_clean_error(small_disk, corpus):
     ckpt.verify_checkpoint(first)
     model_ckpt.load_model(out)
     assert ckpt.load_state(first)["step"] == 1
+
+
+def test_save_model_refuses_a_tokenizer_load_model_cannot_read_back(tmp_path):
+    """A checkpoint's tokenizer is ``tokenizer.json`` (kimi-k3's byte-level BPE). Before, a `KimiTokenizer` was saved
+    as its own files and the checkpoint then failed to load ("tokenizer.json: missing"); now it is refused first."""
+    from k3.tokenization.kimi import KimiTokenizer
+    from kimi_fixtures import build_kimi_tokenizer_files
+
+    build_kimi_tokenizer_files(tmp_path / "kimi")
+    tokenizer = KimiTokenizer.load(tmp_path / "kimi")
+    with pytest.raises(ValueError, match="got KimiTokenizer .nothing was written."):
+        model_ckpt.save_model(tmp_path / "ckpt", K3ForCausalLM(preset("tiny")), tokenizer)
+    assert not (tmp_path / "ckpt").exists() and not list(tmp_path.glob(".*"))

@@ -128,7 +128,11 @@ def write_config(directory: Path, config: K3Config, packed: bool = False) -> Non
 
 
 def save_model(directory: Path, model: torch.nn.Module, tokenizer: Tokenizer) -> Path:
-    """Write an inference checkpoint (weights, config, tokenizer, manifest; no training state) atomically."""
+    """Write an inference checkpoint (weights, config, tokenizer, manifest; no training state) atomically.
+    ``tokenizer`` must be kimi-k3's byte-level BPE, the one `load_model` reads back; any other is refused first."""
+    if not isinstance(tokenizer, Tokenizer):
+        raise ValueError(f"save_model: a checkpoint holds kimi-k3's byte-level BPE tokenizer (tokenizer.json), which "
+                         f"load_model reads back; got {type(tokenizer).__name__} (nothing was written)")
     directory = Path(directory)
     with atomic_directory(directory) as tmp:
         write_model(tmp, model, model.config)
