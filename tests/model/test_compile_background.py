@@ -148,6 +148,34 @@ def test_a_graph_process_is_refused_where_its_copy_would_take_over_half_the_avai
     assert worker.process.returncode == 0
 
 
+def test_a_packed_model_restored_in_the_graph_process_holds_its_expert_bytes_once():
+    """Packed experts' own tensors are views of their stacked bytes in the server; `restore` makes them views again
+    (`to_empty` had given each memory of its own), so the process holds those bytes once, and `layout_bytes` (what
+    `GraphWorker.start` checks against the free memory) counts what it holds."""
+    from k3 import K3ForCausalLM
+    from k3.config import preset
+    from k3.model.graph_worker import layout_bytes, layout_copy, restore
+    from k3.model.packed import PackedExperts, replace_experts
+
+    model = replace_experts(K3ForCausalLM(preset("tiny")).eval(), PackedExperts.pack)
+    with torch.no_grad():
+        model(torch.tensor([[1, 2, 3]]), state=model.new_state(1))  # the first call stacks the packed bytes
+    every = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in every.values()}
+    stacked_bytes = sum(getattr(m, name).nbytes for m in model.modules() if isinstance(m, PackedExperts)
+                        for name in ("gate_up_packed", "gate_up_scale", "down_packed", "down_scale"))
+    assert stacked_bytes > 0
+    assert layout_bytes(model) == sum(storages.values())
+    assert sum(t.nbytes for t in every.values()) == layout_bytes(model) + stacked_bytes  # the views counted once
+    copy = restore(layout_copy(model), "cpu")
+    held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+            for t in [*copy.parameters(), *copy.buffers()]}
+    assert sum(held.values()) == layout_bytes(model)
+    with torch.no_grad():
+        logits, _ = copy(torch.tensor([[1, 2, 3]]), state=copy.new_state(1))
+    assert torch.equal(logits, torch.zeros_like(logits))
+
+
 def test_a_step_outside_the_planned_families_runs_eagerly_beside_a_background_compilation(tok):
     """A step whose graph is not built runs eagerly while the background thread compiles, even where its family
     claims a graph (a key the plan did not foresee): a step never compiles beside the background thread."""

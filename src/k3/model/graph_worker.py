@@ -11,8 +11,9 @@ compiles each family at the lowest CPU priority (`NICE`: it takes what the serve
 directory, naming each family on its standard output as it is saved. The server's thread then only loads the file.
 The process ends with its parent: it exits when its standard input (a pipe from the server) reaches end of file.
 
-The process holds the model's size in zeroed memory while it runs: `start` refuses (`MemoryError`; the server's thread
-compiles then) where that is more than half the memory the machine has available.
+The process holds the model's size in zeroed memory while it runs (packed experts' bytes once, as the server does):
+`start` refuses (`MemoryError`; the server's thread compiles then) where that is more than half the memory the
+machine has available.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import threading
 import torch
 from torch import nn
 
+from k3.model.packed import STACKED, PackedExperts
 from k3.sizing.memory import available_bytes
 
 __all__ = ["GraphWorker", "NICE", "layout_bytes", "layout_copy", "restore"]
@@ -44,15 +46,24 @@ def layout_copy(model: nn.Module) -> bytes:
 
 
 def layout_bytes(model: nn.Module) -> int:
-    """The bytes `restore` allocates for ``model``'s `layout_copy`: every parameter and buffer apart (views too)."""
-    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    """The bytes `restore` gives ``model``'s `layout_copy`: every parameter and buffer apart, but packed experts' own
+    tensors, which are views of their stacked bytes there as here."""
+    stacked = {id(getattr(m, name)) for m in model.modules()
+               if isinstance(m, PackedExperts) and hasattr(m, STACKED[0]) for name in STACKED}
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]
+               if t._base is None or id(t._base) not in stacked}
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def restore(data: bytes, device: str) -> nn.Module:
-    """A `layout_copy` as a model on ``device``, every parameter and buffer zero (finite: a step on it computes)."""
+    """A `layout_copy` as a model on ``device``, every parameter and buffer zero (finite: a step on it computes).
+    ``to_empty`` gives every tensor memory of its own; packed experts' tensors are made views of their stacked
+    bytes again (`PackedExperts.restack`) before any page is written, so the bytes are held once, as in ``model``."""
     model = pickle.loads(data)  # the server's own bytes, over a pipe from the server to its own child
     model.to_empty(device=device)
+    for module in model.modules():
+        if isinstance(module, PackedExperts):
+            module.restack()
     with torch.no_grad():
         for t in [*model.parameters(), *model.buffers()]:
             t.zero_()

@@ -160,14 +160,19 @@ class PackedExperts(Experts):
                         for part, w in zip(stacked[e].split([t.shape[0] for t in rows[e]]), projections):
                             setattr(getattr(p, w), f"weight_{kind}", part)
 
-    @staticmethod
-    def _restack(module: nn.Module, incompatible_keys: object) -> None:
-        """A load-state-dict post-hook: stack what was loaded anew (assigned tensors are not in the old stack), so
-        the stacked buffers a compiled step reads are there and current."""
-        if hasattr(module, STACKED[0]):
+    def restack(self) -> None:
+        """Stack the experts' own tensors anew where a stack was made: after a load assigned new tensors (not in the
+        old stack), or after ``to_empty`` gave every buffer and its former views memory of their own."""
+        if hasattr(self, STACKED[0]):
             for name in STACKED:
-                delattr(module, name)
-            module.stack()
+                delattr(self, name)
+            self.stack()
+
+    @staticmethod
+    def _restack(module: PackedExperts, incompatible_keys: object) -> None:
+        """A load-state-dict post-hook: `restack`, so the stacked buffers a compiled step reads are there and
+        current."""
+        module.restack()
 
     @classmethod
     def pack(cls, experts: Experts) -> PackedExperts:
