@@ -293,3 +293,35 @@ def test_a_second_process_loads_every_graph_from_the_on_disk_caches(tmp_path):
     assert first[4:6] == ["3", "0"] and second[4:6] == ["3", "3"]
     assert first[-1] == second[-1]  # the same graphs: the same logits, bit for bit
     assert (tmp_path / "k3" / "inductor").is_dir() and len(list((tmp_path / "k3" / "graphs").rglob("*.pt2"))) == 3
+
+
+def test_a_tuned_graph_is_loaded_by_a_second_process_and_never_for_other_weights(tmp_path):
+    """A tuned decode graph (frozen weights) is saved in inductor's cache, so a second process with the same weights
+    loads it (a cache hit, the first process's logits bit for bit), and keyed by the weights' digest: a process with
+    other weights of the same layout compiles its own graph — inductor keeps what it derived from frozen weights in
+    the entry, and before the digest that process loaded the first one's, logits off by a wide margin."""
+    script = textwrap.dedent("""
+        import sys, torch, serving
+        from k3.model.compiled import CompiledModel
+        model = serving.model(int(sys.argv[1]))
+        compiled = CompiledModel(model, batches=(1,))
+        with torch.inference_mode():
+            _, state = model(torch.tensor([serving.prompts()[1][:6]]), state=model.new_state(1))
+            token = torch.tensor([[7]])
+            logits, _ = compiled.decode(token, state)
+            expected, _ = model(token, state=state)
+        error = (logits - expected).abs().max().item()
+        print(compiled.decode_step.compilations, compiled.decode_step.cache_hits, error, logits.sum().item())
+        """)
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    env["XDG_CACHE_HOME"] = str(tmp_path)
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(serving.__file__), env.get("PYTHONPATH", "")])
+    runs = [subprocess.run([sys.executable, "-c", script, seed], capture_output=True, text=True, timeout=900, env=env)
+            for seed in ("0", "0", "1")]
+    for r in runs:
+        assert r.returncode == 0, r.stderr[-3000:]
+    (built, hits, error, total), (built2, hits2, error2, total2), (built3, hits3, error3, _) = (
+        r.stdout.split() for r in runs)
+    assert (built, hits, built2, hits2, built3, hits3) == ("1", "0", "1", "1", "1", "0")
+    assert total == total2  # the same graph: the same logits, bit for bit
+    assert max(float(error), float(error2), float(error3)) < 1e-4
