@@ -25,11 +25,10 @@ TOKENIZER_CONFIG = "tokenizer_config.json"
 GENERATION_CONFIG = "generation_config.json"
 
 
-def exportable(tokenizer: object) -> Tokenizer:
-    """``tokenizer``, refused (`ValueError`) unless it is kimi-k3's byte-level BPE, the one tokenizer exported."""
+def exportable(tokenizer: object) -> None:
+    """Refuse (`ValueError`) ``tokenizer`` unless it is kimi-k3's byte-level BPE, the one tokenizer exported."""
     if not isinstance(tokenizer, Tokenizer):
         raise ValueError(f"export: only kimi-k3's byte-level BPE tokenizer is exported, got {type(tokenizer).__name__}")
-    return tokenizer
 
 
 def write_tokenizer(tokenizer: Tokenizer, directory: Path, context_length: int) -> list[Path]:
