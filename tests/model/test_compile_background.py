@@ -295,13 +295,16 @@ def test_a_second_process_loads_every_graph_from_the_on_disk_caches(tmp_path):
     assert (tmp_path / "k3" / "inductor").is_dir() and len(list((tmp_path / "k3" / "graphs").rglob("*.pt2"))) == 3
 
 
-def test_a_tuned_graph_is_loaded_by_a_second_process_and_never_for_other_weights(tmp_path):
-    """A tuned decode graph (frozen weights) is saved in inductor's cache, so a second process with the same weights
-    loads it (a cache hit, the first process's logits bit for bit), and keyed by the weights' digest: a process with
-    other weights of the same layout compiles its own graph — inductor keeps what it derived from frozen weights in
-    the entry, and before the digest that process loaded the first one's, logits off by a wide margin."""
+def test_a_saved_tuned_graph_is_loaded_for_the_same_weights_and_never_for_other_weights(tmp_path):
+    """Where inductor saves a tuned graph (frozen weights), its entry holds what inductor derived from the weights (the
+    C++ GEMM template's blocked copies) under a key of their shapes; the step keys it by the weights' digest too, so
+    a second process with the same weights loads it (a cache hit: the first process's logits bit for bit) and one with
+    other weights of the same layout compiles its own (before the digest, it loaded the first one's: logits off by a
+    wide margin). MKL's packing, whose mkldnn weights inductor refuses to save, is turned off here to make inductor
+    save the graph, as the C++ template alone would."""
     script = textwrap.dedent("""
         import sys, torch, serving
+        torch._C.has_mkl = False  # inductor's freezing then blocks the weights for its C++ template: a saved graph
         from k3.model.compiled import CompiledModel
         model = serving.model(int(sys.argv[1]))
         compiled = CompiledModel(model, batches=(1,))

@@ -6,9 +6,8 @@ carries its padding. It buckets the keys: decode batches are padded up to the ne
 of row 0 (vLLM's capture sizes), and a prefill chunk runs as pieces of the `PREFILL_PIECES` lengths (37 = 16 + 16 +
 4 + 1) — exact, since the state carries across pieces, and no padding token ever enters a state.
 
-Start-up (issue 37). Tuned graphs come from inductor's cache where a process with the same weights built them
-(~12 s each: dynamo still traces); *precompiled* steps (`k3.model.precompiled`: the weights are graph inputs, the
-whole step is saved to a file) load in ~2.4 s, for any weights of their layout: ``k3 generate --compile``
+Start-up (issue 37). Tuned graphs are compiled by every process; *precompiled* steps (`k3.model.precompiled`: the
+weights are graph inputs, the whole step is saved to a file) load in seconds instead: ``k3 generate --compile``
 decodes on one (`CompiledModel.precompile`), and a server builds its graphs in the background while it serves
 eagerly (`CompiledModel.compile_in_background`): the precompiled graph of every family first (compiled by a process
 of its own on the CPU, `k3.model.graph_worker`), then the tuned decode and verification graphs that replace them.
@@ -250,13 +249,13 @@ class CompiledModel:
         """Build the graphs of ``families`` (`families`) on a thread of their own while the steps run: a call of a
         family not built yet runs eagerly (the function its graphs are traced from: the same tokens), then on its graph.
         First each family's precompiled graph (as `precompile`); then, with ``upgrade``, the tuned decode and
-        verification graphs (frozen weights: ~2× faster; cached by inductor under the weights' digest), each replacing
-        its precompiled one when built. The thread runs only while no step has run for a moment
-        (`k3.model.background.Gate`): the steps keep their speed and the graphs take the idle time. With ``process`` (a
-        model on the CPU), the precompiled graphs are compiled by a process of their own (`k3.model.graph_worker`: no
-        interpreter lock shared with the steps) and this thread only loads them; where it cannot start or fails, this
-        thread compiles what is left, with a warning. `ready` maps each family to the step serving it; an error stops
-        the compilation with a warning (what is left runs as it is); `stop_background` parks it for good."""
+        verification graphs (frozen weights: ~2× faster, never saved), each replacing its precompiled one when built.
+        The thread runs only while no step has run for a moment (`k3.model.background.Gate`): the steps keep their speed
+        and the graphs take the idle time. With ``process`` (a model on the CPU), the precompiled graphs are compiled by
+        a process of their own (`k3.model.graph_worker`: no interpreter lock shared with the steps) and this thread only
+        loads them; where it cannot start or fails, this thread compiles what is left, with a warning. `ready` maps each
+        family to the step serving it; an error stops the compilation with a warning (what is left runs as it is);
+        `stop_background` parks it for good."""
         self._plan(families, upgrade)
         background_begins()
         threads, process = torch.get_num_threads(), process and self.model.device.type == "cpu"

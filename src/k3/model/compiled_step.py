@@ -28,12 +28,13 @@ graph of the process) and compiles anew. Importing this module imports nothing o
 global parameter and buffer registration hooks (a counter that tells the weights' list went stale).
 
 Inductor's cache of graphs, kernels and autotuning results is kept in ``~/.cache/k3/inductor`` (`persistent_cache`)
-rather than ``/tmp`` (issue 37), and serves tuned graphs too: they are compiled without MKL's packed linear (whose
-mkldnn weights inductor will not cache, `_without_mkl_packing`) and keyed by the digest of the weights' values
-(inductor keeps what it derived from frozen weights in the entry), so a second process with the same weights
-loads them (~12 s: dynamo still traces) and one with other weights compiles its own. A *precompiled* step
-(``files``, `k3.model.precompiled`: the weights are graph inputs, the whole step is saved to a file, no trace) loads
-in ~2.4 s.
+rather than ``/tmp`` (issue 37); it serves the untuned graphs, but a tuned graph holds MKL's prepacked (mkldnn)
+weights, which inductor will not cache, so every process compiles those again (without that packing inductor saves
+them, but the step is ~20 % slower: README, "Start-up"). Where inductor does save a frozen graph, the entry holds what
+it derived from the weights (blocked copies) under a key of their shapes only, so a frozen graph's key here also holds
+the digest of the weights' values (`weights_digest`): it is never loaded for other weights. A *precompiled* step
+(``files``, `k3.model.precompiled`: the weights are graph inputs, the whole step is saved to a file) loads in seconds
+instead.
 """
 
 from __future__ import annotations
@@ -162,10 +163,10 @@ class CompiledStep:
                 "max_autotune_gemm_backends": "CPP,ATEN"}
 
     def _weights_digest(self) -> str:
-        """`weights_digest` of the model's current weights (hashed again only after they changed): a frozen
-        graph's cache key. Inductor keeps what it derives from frozen weights (blocked copies, folded constants) in
-        its cache entry, and without this a graph of the same layout traced on other weights loaded those: measured,
-        logits off by 1.6 on ``small``."""
+        """`weights_digest` of the model's current weights (hashed again only after they changed): part of a
+        frozen graph's cache key. Inductor keeps what it derives from frozen weights (the C++ GEMM template's blocked
+        copies) in its cache entry under a key of their shapes: without the digest, a process with other weights of
+        the same layout loaded them (measured with MKL's packing off, `small`: logits off by 1.6)."""
         if self._digest[0] != self._weights:
             self._digest = (self._weights, weights_digest(self.model))
         return self._digest[1]
@@ -277,31 +278,15 @@ def _compiling(options: dict, frozen: str | None = None) -> Iterator[None]:
     silent eager fallback would be (and unchecked guards would later pick another instance's graph). The accumulated
     limit, which counts the code object's compilations in the process (dead instances' included), is raised with
     it: a long-lived server must not stop compiling by age. A graph of ``frozen`` weights (their `weights_digest`)
-    is cached under that digest, compiled `_without_mkl_packing`."""
+    is cached, where inductor caches it, under that digest."""
     from torch._dynamo import config as dynamo
     from torch._inductor import config as inductor
 
     with (_COMPILE_LOCK, inductor.patch(options),
           dynamo.patch(recompile_limit=RECOMPILE_LIMIT, accumulated_recompile_limit=16 * RECOMPILE_LIMIT,
                        fail_on_recompile_limit_hit=True),
-          torch.compiler.config.patch(cache_key_tag=frozen or ""),
-          _without_mkl_packing() if frozen else contextlib.nullcontext()):
+          torch.compiler.config.patch(cache_key_tag=frozen or "")):
         yield
-
-
-@contextlib.contextmanager
-def _without_mkl_packing() -> Iterator[None]:
-    """Inductor's freezing packs fp32 weights for MKL's linear (``mkl::_mkl_linear``) as mkldnn tensors, which its
-    cache refuses ("mkldnn tensors unpickleable"): every process compiled its tuned graphs anew (320 s for ``small``'s
-    decode graph, issue 37). That pattern reads ``torch._C.has_mkl`` as it matches; with it off, the products go to
-    inductor's C++ GEMM template, on weights it blocks as ordinary constants, or to ATen. Measured on ``small`` at
-    batch 1: 2.0 ms a step against 2.2 with MKL's packing, and a second process loads the graph (~12 s)."""
-    has_mkl = torch._C.has_mkl
-    torch._C.has_mkl = False
-    try:
-        yield
-    finally:
-        torch._C.has_mkl = has_mkl
 
 
 def cached(state: DecoderState, tokens: int = 1) -> int:
