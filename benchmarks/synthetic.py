@@ -5,9 +5,10 @@ K3's bounded gate and with Kimi Linear's softplus gate and its ``dt_bias`` initi
     python benchmarks/synthetic.py                                  # the reproduction's shape, 256 … 2,048 tokens
     python benchmarks/synthetic.py --width 128 --head-dim 64 --lengths 64 128 --steps 800   # what 2 CPU cores allow
 
-Each row trains a fresh model (seed 0) on fresh seeded batches for ``--steps`` AdamW steps (warmup, cosine decay) and
-scores the greedy accuracy of the answer tokens on held-out batches. Runs on any device torch has (``--device``), with
-``PYTHONPATH=src`` and torch alone. Results: ``benchmarks/results/synthetic.json`` (rows added with ``--append``).
+Each row trains a fresh model (``--seed``, 0 unless given) on fresh seeded batches for ``--steps`` AdamW steps
+(warmup, cosine decay) and scores the greedy accuracy of the answer tokens on held-out batches. Runs on any device
+torch has (``--device``), with ``PYTHONPATH=src`` and torch alone. Results: ``benchmarks/results/synthetic.json``
+(rows added with ``--append``).
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ def row(task: str, variant: tuple[str, str, str], length: int, args: argparse.Na
     losses = run.train(args.steps)
     return {"task": task, "variant": name, "mixer": mixer, "gate": gate, "length": length, "width": args.width,
             "heads": args.heads, "head_dim": args.head_dim, "steps": args.steps, "batch": args.batch, "lr": args.lr,
-            "final_loss": sum(losses[-20:]) / len(losses[-20:]), "accuracy": run.accuracy(args.eval_batches),
-            "seconds": time.perf_counter() - start, "device": args.device}
+            "seed": args.seed, "final_loss": sum(losses[-20:]) / len(losses[-20:]),
+            "accuracy": run.accuracy(args.eval_batches), "seconds": time.perf_counter() - start, "device": args.device}
 
 
 def main() -> None:
