@@ -175,3 +175,62 @@ int mxfp4_experts(const float *x, const float *weights, const int64_t *indices, 
     free(start), free(order), free(h), free(xs);
     return 0;
 }
+
+/* The fp32 product for few rows (a decode step's products by weights): y [B, N] = x [B, K] W[N, K]^T for B <= 8,
+ * each weight row read once for every row of x. With AVX-512, R(B) rows of W at a time against all B rows of x
+ * (R B accumulators of 16 lanes in registers, R B <= 24: a weight load feeds B fused multiply-adds, an x load R);
+ * K's last K % 16 elements and the last N % R rows are summed by the scalar loop. Rows of W run in parallel. */
+#define DENSE_ROWS 8
+static void dense_scalar(const float *x, const float *w, float *y, int64_t B, int64_t N, int64_t K, int64_t n,
+                         int64_t k0, int64_t count) {
+    for (int64_t r = 0; r < count; ++r)
+        for (int64_t b = 0; b < B; ++b) {
+            float s = 0.0f;
+            for (int64_t k = k0; k < K; ++k) s += x[b * K + k] * w[(n + r) * K + k];
+            y[b * N + n + r] = k0 ? y[b * N + n + r] + s : s;
+        }
+}
+static const int64_t DENSE_BLOCK[DENSE_ROWS] = {8, 8, 6, 5, 4, 4, 3, 3};  /* R(B) */
+#ifdef __AVX512F__
+#define DENSE_TILE(R, B)                                                                                             \
+    static void dense_tile_##B(const float *x, const float *w, float *y, int64_t N, int64_t K, int64_t n) {        \
+        __m512 acc[R][B];                                                                                            \
+        for (int r = 0; r < R; ++r)                                                                                  \
+            for (int b = 0; b < B; ++b) acc[r][b] = _mm512_setzero_ps();                                             \
+        for (int64_t k = 0; k + 16 <= K; k += 16) {                                                                  \
+            __m512 wv[R];                                                                                            \
+            for (int r = 0; r < R; ++r) wv[r] = _mm512_loadu_ps(w + (n + r) * K + k);                                \
+            for (int b = 0; b < B; ++b) {                                                                            \
+                const __m512 xv = _mm512_loadu_ps(x + b * K + k);                                                    \
+                for (int r = 0; r < R; ++r) acc[r][b] = _mm512_fmadd_ps(wv[r], xv, acc[r][b]);                       \
+            }                                                                                                        \
+        }                                                                                                            \
+        for (int r = 0; r < R; ++r)                                                                                  \
+            for (int b = 0; b < B; ++b) y[b * N + n + r] = _mm512_reduce_add_ps(acc[r][b]);                          \
+    }
+DENSE_TILE(8, 1) DENSE_TILE(8, 2) DENSE_TILE(6, 3) DENSE_TILE(5, 4) DENSE_TILE(4, 5) DENSE_TILE(4, 6)
+DENSE_TILE(3, 7) DENSE_TILE(3, 8)  /* R as DENSE_BLOCK */
+typedef void (*dense_tile)(const float *, const float *, float *, int64_t, int64_t, int64_t);
+static const dense_tile TILES[DENSE_ROWS] = {dense_tile_1, dense_tile_2, dense_tile_3, dense_tile_4,
+                                             dense_tile_5, dense_tile_6, dense_tile_7, dense_tile_8};
+#endif
+
+/* x [B, K], w [N, K], y [B, N], all contiguous. Returns 0, or -1 (having done nothing) if B is outside [0, 8]. */
+int dense_rows(const float *x, const float *w, float *y, int64_t B, int64_t N, int64_t K, int threads) {
+    if (B < 0 || B > DENSE_ROWS) return -1;
+    if (B == 0) return 0;
+    const int64_t R = DENSE_BLOCK[B - 1], tiles = (N + R - 1) / R;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && N * K >= (1 << 16))
+    for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t n = t * R, count = N - n < R ? N - n : R;
+#ifdef __AVX512F__
+        if (count == R) {
+            TILES[B - 1](x, w, y, N, K, n);
+            if (K % 16) dense_scalar(x, w, y, B, N, K, n, K - K % 16, count);
+            continue;
+        }
+#endif
+        dense_scalar(x, w, y, B, N, K, n, 0, count);
+    }
+    return 0;
+}
