@@ -252,27 +252,3 @@ def test_stacked_packed_experts_hold_their_bytes_once_and_follow_what_is_loaded(
         assert torch.equal(first(x, weights, indices), second(x, weights, indices))
         first.load_state_dict(saved)
         assert torch.equal(first(x, weights, indices), before)
-
-
-@pytest.mark.parametrize("rows", [0, 1, 2, 3, 5, 8])
-@pytest.mark.parametrize("shape", [(1, 1), (7, 5), (3, 16), (10, 33), (64, 48), (301, 1027)])
-def test_the_dense_kernel_is_the_fp64_product(library, rows, shape):
-    """`dense` for every row count it takes, weights of 1 to 301 rows (the kernel's blocks of 3 and its tail) and
-    widths with and without a 16-element tail, within fp32 summation error of the fp64 product; x may be strided."""
-    torch.manual_seed(rows)
-    n, k = shape
-    x, w = torch.randn(rows, k), torch.randn(n, k) * torch.rand(n, 1) * 4
-    want = x.double() @ w.double().T
-    bound = k * 2**-23 * (x.double().abs() @ w.double().abs().T) + 1e-30
-    for got in (mxfp4_kernel.dense(x, w, library), mxfp4_kernel.dense(x.t().contiguous().t(), w, library)):
-        assert got.dtype == torch.float32 and got.shape == (rows, n)
-        assert ((got.double() - want).abs() <= bound).all()
-
-
-def test_the_dense_kernel_refuses_what_it_cannot_compute(library):
-    with pytest.raises(ValueError, match="B <= 8"):
-        mxfp4_kernel.dense(torch.zeros(9, 4), torch.zeros(3, 4), library)
-    with pytest.raises(ValueError, match="weight fp32"):
-        mxfp4_kernel.dense(torch.zeros(2, 4, dtype=torch.float64), torch.zeros(3, 4), library)
-    with pytest.raises(ValueError, match="got torch.float32 \\[2, 4\\], torch.float32 \\[3, 5\\]"):
-        mxfp4_kernel.dense(torch.zeros(2, 4), torch.zeros(3, 5), library)

@@ -152,18 +152,15 @@ class CompiledStep:
 
     def _options(self) -> dict:
         """Inductor's options for a new graph: dynamo reads ``freezing`` while it traces, inductor on first call.
-        Untuned, the products by weights (graph inputs) run through oneDNN (`k3.model.onednn`); tuned, those of a few
-        rows by large frozen weights through the CPU kernel (`k3.model.few_rows`)."""
+        Untuned, the products by weights (graph inputs) run through oneDNN (`k3.model.onednn`)."""
         if not self.tuned:
             from k3.model.onednn import ONEDNN
 
             return {"post_grad_custom_pre_pass": ONEDNN}
         if self.model.device.type != "cpu":  # a CUDA graph replays the launches: no C++ wrapper or GEMM search
             return {"freezing": True}
-        from k3.model.few_rows import FEW_ROWS
-
         return {"freezing": True, "max_autotune": True, "cpp_wrapper": True,  # the graph's calls made from C++ too
-                "max_autotune_gemm_backends": "CPP,ATEN", "post_grad_custom_pre_pass": FEW_ROWS}
+                "max_autotune_gemm_backends": "CPP,ATEN"}
 
     def _weights_digest(self) -> str:
         """`weights_digest` of the model's current weights (hashed again only after they changed): part of a

@@ -1,6 +1,5 @@
 """The optional CPU kernel of the packed MXFP4 product (issue 37; SPEC §10): ``x @ W.T`` reading W's packed bytes,
-and a whole routed-experts layer on packed weights in one call (`experts`); beside them, the fp32 product of a few
-rows by a plain weight (`dense`: a decode step's products, `k3.model.few_rows`).
+and a whole routed-experts layer on packed weights in one call (`experts`).
 
 `k3.ops.mx.dequantize` then a matmul decodes every weight to fp32 first; at decode batch sizes that costs far more
 than the product. ``mxfp4_gemv.c`` (in this package) decodes each 32-element block in registers and multiplies it
@@ -29,12 +28,10 @@ from torch import Tensor
 
 from k3.files import user_cache
 
-__all__ = ["ACTIVATIONS", "DENSE_ROWS", "FLAGS", "SOURCE", "available", "build", "cpu_flags", "dense", "experts",
-           "gemv"]
+__all__ = ["ACTIVATIONS", "FLAGS", "available", "build", "cpu_flags", "experts", "gemv"]
 
-SOURCE = Path(__file__).with_name("mxfp4_gemv.c")
+_SOURCE = Path(__file__).with_name("mxfp4_gemv.c")
 ACTIVATIONS = ("situ", "swiglu")  # the kernel's activation codes 0 and 1 (k3.model.width.ACTIVATIONS)
-DENSE_ROWS = 8  # `dense` takes up to this many rows (the kernel's DENSE_ROWS)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 _lock = threading.Lock()
 _library: list[ctypes.CDLL | None] = []  # empty until the first build attempt, then [the library or None]
@@ -55,7 +52,7 @@ def build(flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL | None:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         return None
-    source = SOURCE.read_bytes()
+    source = _SOURCE.read_bytes()
     key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), cpu_flags().encode(),
                                       compiler.encode()])).hexdigest()[:16]
     try:
@@ -65,7 +62,7 @@ def build(flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL | None:
             cache.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=cache) as tmp:
                 built = Path(tmp) / target.name
-                subprocess.run([compiler, *flags, str(SOURCE), "-o", str(built)], check=True,
+                subprocess.run([compiler, *flags, str(_SOURCE), "-o", str(built)], check=True,
                                capture_output=True, timeout=120)
                 os.replace(built, target)  # atomic: a concurrent build writes the same bytes
         library = ctypes.CDLL(str(target))
@@ -79,8 +76,6 @@ def build(flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL | None:
     library.mxfp4_experts.restype = ctypes.c_int
     library.mxfp4_experts.argtypes = ([ctypes.c_void_p] * 8 + [ctypes.c_int64] * 5 + [ctypes.c_int]
                                       + [ctypes.c_float] * 2 + [ctypes.c_int])
-    library.dense_rows.restype = ctypes.c_int
-    library.dense_rows.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     return library
 
 
@@ -116,23 +111,6 @@ def gemv(x: Tensor, packed: Tensor, scale: Tensor, library: ctypes.CDLL | None =
     if library.mxfp4_gemv(x.data_ptr(), packed.data_ptr(), scale.data_ptr(), y.data_ptr(), B, N, K,
                           torch.get_num_threads()):
         raise MemoryError("MXFP4 gemv: no memory for the kernel's copy of x")
-    return y
-
-
-def dense(x: Tensor, weight: Tensor, library: ctypes.CDLL | None = None) -> Tensor:
-    """``x`` fp32 ``[B, K]`` (CPU, B ≤ `DENSE_ROWS`) times ``weight`` fp32 ``[N, K]`` transposed: ``[B, N]`` fp32,
-    ``x @ weight.T`` up to the order of the sums, each weight row read once for all B rows (``library``: one `build`
-    made, else the default one)."""
-    library = library or _kernel()
-    if library is None:
-        raise RuntimeError("the CPU kernels are not available (check `available` first)")
-    (B, K), (N, K_w) = x.shape, weight.shape
-    if x.dtype != torch.float32 or weight.dtype != torch.float32 or K != K_w or B > DENSE_ROWS:
-        raise ValueError(f"dense rows: x fp32 [B, K] with B <= {DENSE_ROWS}, weight fp32 [N, K]; got {x.dtype} "
-                         f"{list(x.shape)}, {weight.dtype} {list(weight.shape)}")
-    x, weight = x.contiguous(), weight.contiguous()
-    y = torch.empty(B, N, dtype=torch.float32, device=x.device)
-    library.dense_rows(x.data_ptr(), weight.data_ptr(), y.data_ptr(), B, N, K, torch.get_num_threads())
     return y
 
 
