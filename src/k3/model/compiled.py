@@ -247,15 +247,15 @@ class CompiledModel:
     def compile_in_background(self, families: list[tuple], upgrade: bool = True,
                               process: bool = True) -> threading.Thread:
         """Build the graphs of ``families`` (`families`) on a thread of their own while the steps run: a call of a
-        family not built yet runs eagerly (the function its graphs are traced from: the same tokens), then on its
-        graph. First each family's precompiled graph (as `precompile`); then, with ``upgrade``, the tuned decode and
-        verification graphs (frozen weights: ~2× faster, never saved), each replacing its precompiled one when
-        built. The thread runs only while no step has run for a moment (`k3.model.background.Gate`): the steps keep
-        their speed and the graphs take the idle time. With ``process`` (a model on the CPU), the precompiled graphs
-        are compiled by a process of their own (`k3.model.graph_worker`: no interpreter lock shared with the steps)
-        and this thread only loads them; where it cannot start or fails, this thread compiles what is left, with a
-        warning. `ready` maps each family to the step serving it; an error stops the compilation with a warning
-        (what is left runs as it is); `stop_background` parks it for good."""
+        family not built yet runs eagerly (the function its graphs are traced from: the same tokens), then on its graph.
+        First each family's precompiled graph (as `precompile`); then, with ``upgrade``, the tuned decode and
+        verification graphs (frozen weights: ~2× faster; not saved on the CPU, where MKL's packed weights are in them),
+        each replacing its precompiled one when built. The thread runs only while no step has run for a moment
+        (`k3.model.background.Gate`): the steps keep their speed and the graphs take the idle time. With ``process`` (a
+        model on the CPU), the precompiled graphs are compiled by a process of their own (`k3.model.graph_worker`: no
+        interpreter lock shared with the steps) and this thread only loads them; where it cannot start or fails, this
+        thread compiles what is left, with a warning. `ready` maps each family to the step serving it; an error stops
+        the compilation with a warning (what is left runs as it is); `stop_background` parks it for good."""
         self._plan(families, upgrade)
         background_begins()
         threads, process = torch.get_num_threads(), process and self.model.device.type == "cpu"
