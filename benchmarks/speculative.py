@@ -12,16 +12,16 @@ The issue's stated target is `small` (results then go to ``speculative*_small.js
     .venv/bin/k3 train-draft --ckpt runs/small --out runs/small-draft --steps 1900 --max-minutes 34
     python benchmarks/speculative.py --target runs/small --draft runs/small-draft [--compile]
 
-Two workloads of 64-token prompts from the standard library's source: **text** continues the source; **edit** is a
-code-editing request — a function, a marker, and the function's first line again — whose answer repeats most of the
-prompt. For each drafter (``ngram``: prompt lookup, no model; ``eagle``: the draft), batch 1 and 8 — 8 requests
-started together and timed until the last ends (a static batch), and 32 requests through 8 slots, each refilled from
-the queue as a request ends (as a server runs them) — greedy and temperature 0.8, γ drafted always
-(``--always-draft``) or adaptively (the default), the decode tokens/s of 64-token continuations through the engine
-without HTTP, beside plain decoding of the same prompts in the same pass (passes repeated, medians reported; the
-speed-up is the median of each pass's own ratio); the acceptance rate per draft position; tokens kept per verified
-run; the steps in which a speculating engine's request decoded plainly; the tokens kept per run by output length
-(16-token bins).
+Two workloads from the standard library's source: **text** continues a 64-token slice of it; **edit** is a code-editing
+request of up to 256 tokens — a function, a marker, and the function's first line again — whose answer should repeat
+most of the prompt (whether a target's answers do is what `copying.py` measures). For each drafter (``ngram``: prompt
+lookup, no model; ``eagle``: the draft), batch 1 and 8 — 8 requests started together and timed until the last ends (a
+static batch), and 32 requests through 8 slots, each refilled from the queue as a request ends (as a server runs them) —
+greedy and temperature 0.8, γ drafted always (``--always-draft``) or adaptively (the default), the decode tokens/s of
+64-token continuations through the engine without HTTP, beside plain decoding of the same prompts in the same pass
+(passes repeated, medians reported; the speed-up is the median of each pass's own ratio); the acceptance rate per draft
+position; tokens kept per verified run; the steps in which a speculating engine's request decoded plainly; the tokens
+kept per run by output length (16-token bins).
 Greedy outputs are checked identical to plain decoding. With ``--compile`` every engine shares one set of compiled
 graphs (decode batches 1, 2, 4 and 8 as `k3 serve --max-batch 8` has them, verification of γ + 1 tokens, with and
 without the EAGLE features), all built before anything is timed.

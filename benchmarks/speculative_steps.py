@@ -1,9 +1,9 @@
 """Where a speculative decode step's time goes at batch 1 (issue 36), beside plain decoding in the same run: prompt
 lookup (`--draft ngram`) drafting γ = 4 every step it finds a match, on the code-editing prompts of
-`speculative.prompts` (the answer repeats the prompt), greedy, 64-token answers, compiled by default. Each engine
-step is timed and sorted by kind — a plain step, a verification step, and the plain step right after a verification
-(the request's state returns to the decode group) — and inside them the target's graph calls and the state's
-`accept` (the KDA replay of the kept tokens).
+`speculative.prompts` (answers that should repeat the prompt: `copying.py`), greedy, 64-token answers, compiled by
+default. Each engine step is timed and sorted by kind — a plain step, a verification step, and the plain step right
+after a verification (the request's state returns to the decode group) — and inside them the target's graph calls and
+the state's `accept` (the KDA replay of the kept tokens).
 
     python benchmarks/speculative_steps.py --target runs/mini [--eager]     # ~4 min with warm compile caches
 """
