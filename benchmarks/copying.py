@@ -71,15 +71,9 @@ def replay(pairs: list[tuple[list[int], list[int]]], gamma: int, min_n: int, max
 
 def copying_answer(prompt: list[int], length: int, n: int = 4) -> list[int]:
     """What follows the latest earlier occurrence of the prompt's last ``n`` tokens, continued with period
-    (end − match) past the prompt's end: the answer of a target that repeats its input."""
-    end = len(prompt)
-    match = max((s for s in range(n, end) if prompt[s - n:s] == prompt[end - n:]), default=None)
-    if match is None:
-        return []
-    answer: list[int] = []
-    for k in range(length):
-        answer.append(prompt[match + k] if match + k < end else answer[match + k - end])
-    return answer
+    (end − match) past the prompt's end: the answer of a target that repeats its input (the drafter's own lookup
+    with exactly ``n`` tokens)."""
+    return NGramDrafter(max_n=n, min_n=n).lookup("answer", prompt, length)
 
 
 def main() -> None:
