@@ -31,7 +31,8 @@ from k3.model.checkpoint import load_model  # noqa: E402
 from k3.serve.engine import Engine, SamplingParams  # noqa: E402
 from k3.serve.engine.ngram import NGramDrafter  # noqa: E402
 
-LOOKUPS = ((1, 4), (2, 4), (3, 4), (3, 6), (4, 8))  # (min_n, max_n); the drafter's default is (2, 4)
+LOOKUPS = ((1, 4), (2, 4), (3, 4), (3, 6), (4, 8))  # (min_n, max_n); the drafter's default: (MIN_N, MAX_N)
+DEFAULT = (NGramDrafter.MIN_N, NGramDrafter.MAX_N)
 
 
 def copied(pairs: list[tuple[list[int], list[int]]], n: int = 4, answer_too: bool = False) -> float:
@@ -96,12 +97,13 @@ def main() -> None:
             bound = [(p, copying_answer(p, args.tokens)) for p in batch]
             sources["copying answer"] = [(p, a) for p, a in bound if len(a) == args.tokens]
         for source, pairs in sources.items():
-            for min_n, max_n in LOOKUPS if source == "target" else LOOKUPS[1:2]:
+            for min_n, max_n in LOOKUPS if source == "target" else [DEFAULT]:
                 counts = replay(pairs, args.gamma, min_n, max_n)
                 tokens = sum(len(a) - 1 for _, a in pairs)
                 rows.append({"workload": workload, "answers": source, "count": len(pairs),
                              "in_prompt": copied(pairs), "in_prompt_or_answer": copied(pairs, answer_too=True),
-                             "lookup": f"{min_n}–{max_n}", **counts,
+                             "lookup": f"{min_n}–{max_n}" + (" (default)" if (min_n, max_n) == DEFAULT else ""),
+                             **counts,
                              "speed_up": tokens / (counts["runs"] * args.price + counts["plain_steps"])})
                 print(rows[-1], flush=True)
     print(table(rows, [("workload", "workload"), ("answers", "answers"), ("count", "n"),

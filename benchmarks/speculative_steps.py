@@ -3,7 +3,9 @@ lookup (`--draft ngram`) drafting γ = 4 every step it finds a match, on the cod
 `speculative.prompts` (answers that should repeat the prompt: `copying.py`), greedy, 64-token answers, compiled by
 default. Each engine step is timed and sorted by kind — a plain step, a verification step, and the plain step right
 after a verification (the request's state returns to the decode group) — and inside them the target's graph calls and
-the state's `accept` (the KDA replay of the kept tokens).
+the state's `accept` (the KDA replay of the kept tokens). ``--lookup 2-4 3-4`` runs one speculating engine per lookup
+range (``--prompt-lookup-min/-max``) in the same passes; ``--workload text`` takes the text prompts instead. Greedy
+outputs of every engine are checked identical to plain decoding on every prompt of every pass.
 
     python benchmarks/speculative_steps.py --target runs/mini [--eager]     # ~4 min with warm compile caches
 """
@@ -114,20 +116,26 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--passes", type=int, default=3)
     parser.add_argument("--eager", action="store_true")
+    parser.add_argument("--workload", choices=("edit", "text"), default="edit", help="`speculative.prompts`'s")
+    parser.add_argument("--lookup", nargs="+", default=["2-4"], metavar="MIN-MAX",
+                        help="n-gram lookup bounds (--prompt-lookup-min/-max), one speculating engine each")
     args = parser.parse_args()
     torch.set_num_threads(2)
     target, tokenizer = load_model(Path(args.target))
     plain = EngineOptions(max_batch=1, prefix_cache=False)
-    ngram = replace(plain, draft="ngram", num_draft_tokens=4, always_draft=True)
+    ngrams = {f"n-gram {bounds}, drafting always": replace(
+        plain, draft="ngram", num_draft_tokens=4, always_draft=True,
+        prompt_lookup_min=int(bounds.split("-")[0]), prompt_lookup_max=int(bounds.split("-")[1]))
+        for bounds in args.lookup}
     compiled = None if args.eager else CompiledModel(target, batches=(1,))
     start = time.perf_counter()
     if compiled is not None:
-        build(ngram, target, tokenizer, compiled).warm_up()
+        build(next(iter(ngrams.values())), target, tokenizer, compiled).warm_up()
     compile_s = time.perf_counter() - start
-    batch = prompts(tokenizer, args.prompts, "edit")
+    batch = prompts(tokenizer, args.prompts, args.workload)
     params = SamplingParams(temperature=0.0, max_tokens=64)
     engines = {"plain": build(plain, target, tokenizer, compiled),
-               "n-gram, drafting always": build(ngram, target, tokenizer, compiled)}
+               **{name: build(options, target, tokenizer, compiled) for name, options in ngrams.items()}}
     steps, accept = Steps(), DecoderState.accept
     for engine in engines.values():
         decode(engine, batch[:1], params)  # warm-up
@@ -150,20 +158,25 @@ def main() -> None:
     kinds = {name: {label: {"calls": len(s), "median_ms": round(1e3 * statistics.median(s), 3),
                             "total_ms": round(1e3 * sum(s), 1)} for label, s in sorted(labels.items())}
              for name, labels in steps.seconds.items()}
-    assert outputs["plain"] == outputs["n-gram, drafting always"], "greedy speculative tokens differ from plain's"
+    for name in ngrams:
+        assert outputs[name] == outputs["plain"], f"{name}: greedy speculative tokens differ from plain's"
     print(table(rows, [("engine", "engine"), ("tok_s", "tok/s"), ("vs_plain", "÷ plain")]))
-    counts = rows[1]["counts"]
-    print(f"n-gram: {counts.get('runs', 0)} verified runs keeping {counts.get('accepted', 0) + counts.get('runs', 0)} "
-          f"tokens, {counts.get('plain', 0)} plain steps; graphs built in {compile_s:.0f} s")
+    for row in rows[1:]:
+        counts = row["counts"]
+        print(f"{row['engine']}: {counts.get('runs', 0)} verified runs keeping "
+              f"{counts.get('accepted', 0) + counts.get('runs', 0)} tokens, {counts.get('plain', 0)} plain steps")
+    print(f"graphs built in {compile_s:.0f} s")
     for name, labels in kinds.items():
         print(f"\n{name} (every step of every pass, prefills included in plain steps):")
         print(table([{"what": k, **v} for k, v in labels.items()], [("what", "what"), ("calls", "calls"),
                                                                      ("median_ms", "median ms"),
                                                                      ("total_ms", "total ms")]))
-    accepts = accept_seconds(target, compiled, batch[0], ngram.num_draft_tokens)
+    accepts = accept_seconds(target, compiled, batch[0], 4)
     print("\naccept of n kept tokens, median ms: " + ", ".join(f"n={n}: {1e3 * x:.3f}" for n, x in accepts.items()))
-    path = write_results("speculative_steps" + ("_eager" if args.eager else ""),
-                         {"machine": machine(), "target": args.target, "compiled": not args.eager, "rows": rows,
+    path = write_results("speculative_steps" + ("_eager" if args.eager else "") +
+                         ("" if args.workload == "edit" else f"_{args.workload}"),
+                         {"machine": machine(), "target": args.target, "compiled": not args.eager,
+                          "workload": args.workload, "lookup": args.lookup, "rows": rows,
                           "steps": kinds,
                           "accept_ms": {n: round(1e3 * x, 4) for n, x in accepts.items()}})
     print(f"wrote {path}")

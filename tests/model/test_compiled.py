@@ -342,9 +342,10 @@ def test_compiled_verification_gives_plain_decoding_and_warm_up_builds_its_graph
 
 
 def test_a_tuned_verification_graph_gives_the_eager_logits():
-    """The verification graph as `k3 serve --compile` builds it (tuned: frozen weights, C++ wrapper) gives eager's
-    logits at every position after 60 cached tokens. With inductor's C++ GEMM templates in it (torch 2.13) they were
-    off by 0.056 here (0.02-0.7 on `mini`): greedy speculation then emitted other tokens than plain decoding."""
+    """The verification graph as `k3 serve --compile` builds it (tuned: frozen weights, C++ GEMM templates, C++
+    wrapper) gives eager's logits at every position after 60 cached tokens. While the batched-GEMM template read MLA's
+    ``W_uv`` view without its offset (torch 2.13; `k3.model.projections.constant`) they were off by 0.056 here
+    (0.02-1.1 on `mini`): greedy speculation then emitted other tokens than plain decoding."""
     model = serving.model()
     compiled = CompiledModel(model, batches=(1,))
     torch.manual_seed(0)

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from k3.config import preset
-from k3.model.projections import fused, project
+from k3.model.projections import constant, fused, project
 from k3.model.sequence.kda import KDALayer
 from k3.model.sequence.mla import GatedMLA
 from k3.model.width import LatentMoE
@@ -91,3 +91,31 @@ def test_layers_with_a_bias_or_hooks_are_not_stacked():
     calls, out = _linear_calls(lambda x: project(x, *hooked), x, fuse=True)
     assert calls == 2
     torch.testing.assert_close(out[1], -(x @ hooked[1].weight.T), rtol=1e-12, atol=1e-12)
+
+
+class _SecondHalf(nn.Module):
+    """``x @ W_uv`` as MLA's absorbed attention multiplies it: ``W_uv`` a view at an offset into a parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(2, 128, 64) / 8)  # [heads, nope + v, latent]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.bmm(x, constant(self.weight[:, 64:]).transpose(1, 2))
+
+
+def test_a_constant_view_is_its_own_constant_in_a_frozen_graph_and_the_view_itself_elsewhere():
+    """Inductor's C++ batched-GEMM template (frozen weights, ``max_autotune``; torch 2.13) reads a constant operand
+    from the start of its storage: on the bare view ``W_uv`` this product came out up to 5.5 off. `constant` makes the
+    view a constant of its own where weights are constants (inside `fused`, compiling), so the tuned graph gives eager's
+    product; eager, it is the view itself (no copy)."""
+    torch.manual_seed(0)
+    module, x = _SecondHalf().eval(), torch.randn(2, 5, 64)
+    view = module.weight[:, 64:]
+    assert constant(view) is view
+    options = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
+    torch._dynamo.reset()
+    with torch.no_grad(), fused(), torch._inductor.config.patch(options):
+        expected = module(x)
+        got = torch.compile(module)(x)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)

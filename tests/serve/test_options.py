@@ -14,12 +14,14 @@ from k3.model.checkpoint import save_model
 from k3.serve.engine import Engine
 from k3.serve.engine.cache import PrefixCache
 from k3.serve.engine.drafting import EagleDrafter, ModelDrafter
+from k3.serve.engine.ngram import NGramDrafter
 from k3.serve.options import EngineOptions
 
-#: the commands' defaults before `EngineOptions` (`k3.cli` at a5b2f96), field by field, and the grammar cache's and
-#: adaptive drafting's (issue 36) since
+#: the commands' defaults before `EngineOptions` (`k3.cli` at a5b2f96), field by field, and the grammar cache's,
+#: adaptive drafting's and the n-gram lookup's (issue 36) since
 PREVIOUS_DEFAULTS = {"max_model_len": None, "max_batch": 32, "prefill_chunk": 64, "max_waiting": None, "draft": None,
-                     "num_draft_tokens": 4, "always_draft": False, "compile": False, "prefix_cache": True,
+                     "num_draft_tokens": 4, "prompt_lookup_min": None, "prompt_lookup_max": None,
+                     "always_draft": False, "compile": False, "prefix_cache": True,
                      "prefix_cache_gb": 1.0,
                      "cache_block_tokens": 64, "cache_checkpoint_every": 8, "cache_page_blocks": 4, "threads": None,
                      "grammar_cache_mb": 256.0}
@@ -125,11 +127,40 @@ def test_build_loads_the_draft(tmp_path):
 
 
 def test_draft_ngram_needs_no_checkpoint_and_always_draft_turns_adaptation_off():
-    from k3.serve.engine.ngram import NGramDrafter
-
     model, tokenizer = serving.model(), serving.tokenizer()
     adaptive = EngineOptions(draft="ngram").build(model, tokenizer)
     assert isinstance(adaptive.drafter, NGramDrafter) and adaptive.speculator.lengths is not None
     fixed = EngineOptions.from_args(parse("serve", "--ckpt", "c", "--draft", "ngram", "--always-draft")).build(
         model, tokenizer)
     assert isinstance(fixed.drafter, NGramDrafter) and fixed.speculator.lengths is None
+
+
+@pytest.mark.parametrize(("flags", "bounds"), [([], (NGramDrafter.MIN_N, NGramDrafter.MAX_N)),
+                                               (["--prompt-lookup-min", "1", "--prompt-lookup-max", "6"], (1, 6)),
+                                               (["--prompt-lookup-max", "1"], (1, 1)),
+                                               (["--prompt-lookup-min", "7"], (7, 7))])
+def test_prompt_lookup_bounds_reach_the_ngram_drafter(flags, bounds):
+    options = EngineOptions.from_args(parse("serve", "--ckpt", "c", "--draft", "ngram", *flags))
+    drafter = options.drafter(serving.model())
+    assert (drafter.min_n, drafter.max_n) == bounds == options.lookup()
+
+
+def test_prompt_lookup_bounds_are_refused_out_of_order_or_without_the_ngram_drafter(capsys):
+    with pytest.raises(ValueError, match=r"--prompt-lookup-min \(4\) must be at least 1 and at most "
+                                         r"--prompt-lookup-max \(3\)"):
+        EngineOptions.from_args(parse("serve", "--ckpt", "c", "--draft", "ngram", "--prompt-lookup-min", "4",
+                                      "--prompt-lookup-max", "3"))
+    for draft in ([], ["--draft", "d"]):
+        with pytest.raises(ValueError, match="--prompt-lookup-min/--prompt-lookup-max: only with --draft ngram"):
+            EngineOptions.from_args(parse("chat", "--ckpt", "c", *draft, "--prompt-lookup-max", "3"))
+    with pytest.raises(SystemExit):
+        parse("serve", "--ckpt", "c", "--draft", "ngram", "--prompt-lookup-min", "0")
+    assert "argument --prompt-lookup-min: expected a positive number, got 0" in capsys.readouterr().err
+
+
+def test_the_help_states_the_drafters_lookup_defaults(capsys):
+    with pytest.raises(SystemExit):
+        parse("serve", "--help")
+    text = " ".join(capsys.readouterr().out.split())
+    assert f"the shortest suffix looked up (default {NGramDrafter.MIN_N};" in text
+    assert f"the longest suffix looked up, tried first (default {NGramDrafter.MAX_N})" in text

@@ -22,9 +22,10 @@ every guard.
 wrapper: the weights become constants of the graph, the products of one input are one product on the stacked weights
 (`k3.model.projections.fused`, stacked once at compilation), the matrix–vector products are generated code fused with
 their neighbours instead of library calls, and the kernels are called from C++ — 2.5× faster decode on CPU, ~60 s of
-compilation per graph. A tuned verification (``replayed``) is built without the GEMM templates: with them, torch 2.13's
-inductor produced verification graphs whose logits were off by 0.02–0.7 (decode graphs were exact), so greedy
-speculation emitted other tokens than plain decoding (found at stop 68; tested). Frozen weights are snapshots, so a
+compilation per graph. The C++ batched-GEMM template ignores a constant view's storage offset (torch 2.13): inside
+`fused` the views of weights that reach a batched product are constants of their own (`k3.model.projections.constant`)
+— before, the verification graphs' logits were off by 0.02–1.1 and greedy speculation emitted other tokens than plain
+decoding (found at stop 68; tested). Frozen weights are snapshots, so a
 change to the model's parameters (an optimiser step, a `load_state_dict`) is detected at the next call, which resets
 `torch.compiler` (every compiled graph of the process) and compiles anew. Importing this module imports nothing of the
 compiler; it sets torch.nn's global parameter and buffer registration hooks (a counter that tells the weights' list went
@@ -162,8 +163,6 @@ class CompiledStep:
             return {"post_grad_custom_pre_pass": ONEDNN}
         if self.model.device.type != "cpu":  # a CUDA graph replays the launches: no C++ wrapper or GEMM search
             return {"freezing": True}
-        if self.replayed:  # no C++ GEMM templates: they miscompile verification graphs (module docstring)
-            return {"freezing": True, "cpp_wrapper": True}
         return {"freezing": True, "max_autotune": True, "cpp_wrapper": True,  # the graph's calls made from C++ too
                 "max_autotune_gemm_backends": "CPP,ATEN"}
 

@@ -44,6 +44,17 @@ def project(x: Tensor, *layers: nn.Module) -> list[Tensor]:
     return list(F.linear(x, weight).split([layer.out_features for layer in layers], dim=-1))
 
 
+def constant(weight: Tensor) -> Tensor:
+    """``weight`` (a view of a parameter) as a contiguous tensor of its own when tracing inside `fused` — folded
+    once, at compilation — else the view itself. Inductor's C++ batched-GEMM template (torch 2.13, ``max_autotune``)
+    reads a constant operand from the start of its storage, ignoring a view's offset: MLA's ``W_uv``, the second half
+    of ``kv_b_proj.weight``, gave a verification graph logits 0.02–1.1 off (tested in `tests/model/test_compiled.py`;
+    the product alone: ``tests/model/test_projections.py``)."""
+    if getattr(_FUSED, "on", False) and torch.compiler.is_compiling():
+        return weight.contiguous()
+    return weight
+
+
 def _plain(layer: nn.Module) -> bool:
     """A bias-free `nn.Linear` itself (not a subclass, e.g. an MX fake-quant layer) without forward hooks."""
     return (type(layer) is nn.Linear and layer.bias is None

@@ -106,6 +106,8 @@ class EngineOptions:
     max_waiting: int | None = None  # --max-queue (k3 serve)
     draft: str | None = None  # --draft: an EAGLE-3 draft or a small checkpoint with the target's vocabulary
     num_draft_tokens: int = 4  # --num-draft-tokens
+    prompt_lookup_min: int | None = None  # --prompt-lookup-min (None: `NGramDrafter`'s default, at most the max)
+    prompt_lookup_max: int | None = None  # --prompt-lookup-max (None: `NGramDrafter`'s default, at least the min)
     always_draft: bool = False  # --always-draft
     compile: bool = False  # --compile
     prefix_cache: bool = True  # not --no-prefix-cache
@@ -116,6 +118,28 @@ class EngineOptions:
     threads: int | None = None  # --threads (k3 serve)
     grammar_cache_mb: float = 256.0  # --grammar-cache-mb
 
+    def __post_init__(self) -> None:
+        """Refuses lookup bounds without ``--draft ngram`` or out of order (before any model is loaded)."""
+        if self.draft != "ngram":
+            if (self.prompt_lookup_min, self.prompt_lookup_max) != (None, None):
+                raise ValueError("--prompt-lookup-min/--prompt-lookup-max: only with --draft ngram")
+            return
+        low, high = self.lookup()
+        if not 1 <= low <= high:
+            raise ValueError(f"--prompt-lookup-min ({low}) must be at least 1 and at most --prompt-lookup-max ({high})")
+
+    def lookup(self) -> tuple[int, int]:
+        """(min, max) tokens of the n-gram drafter's lookup: the flags, an unset one from `NGramDrafter`'s
+        defaults, moved to the other flag where it would pass it (vLLM's ``prompt_lookup_min/max``)."""
+        from k3.serve.engine.ngram import NGramDrafter
+
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        if low is None:
+            low = NGramDrafter.MIN_N if high is None else min(NGramDrafter.MIN_N, high)
+        if high is None:
+            high = max(NGramDrafter.MAX_N, low)
+        return low, high
+
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
         """The engine flags of ``k3 serve`` and ``k3 chat``, the prefix cache's in their own group."""
@@ -125,10 +149,15 @@ class EngineOptions:
                             help="prompt tokens prefilled per step while other requests decode (their latency vs "
                                  "the new prompt's time to first token)")
         parser.add_argument("--draft", help="speculative decoding: 'ngram' (prompt lookup: drafts what followed the "
-                            "latest earlier occurrence of the text's last 2-4 tokens; no model), an EAGLE-3 draft "
-                            "(k3 train-draft) or a small checkpoint with the same vocabulary")
+                            "latest earlier occurrence of the text's last --prompt-lookup-min to -max tokens; no "
+                            "model), an EAGLE-3 draft (k3 train-draft) or a small checkpoint with the same vocabulary")
         parser.add_argument("--num-draft-tokens", type=positive(int), default=cls.num_draft_tokens,
                             help="most tokens drafted per step with --draft (default %(default)s)")
+        parser.add_argument("--prompt-lookup-min", type=positive(int),
+                            help="with --draft ngram: the shortest suffix looked up (default 3; 2 matches more often "
+                                 "and is wrong more often)")
+        parser.add_argument("--prompt-lookup-max", type=positive(int),
+                            help="with --draft ngram: the longest suffix looked up, tried first (default 4)")
         parser.add_argument("--always-draft", action="store_true", help="draft --num-draft-tokens every step instead "
                             "of as many as each request's measured acceptance pays for (down to none)")
         parser.add_argument("--compile", action="store_true", help="decode and prefill-chunk steps through "
@@ -204,7 +233,7 @@ class EngineOptions:
         if self.draft == "ngram":
             from k3.serve.engine.ngram import NGramDrafter
 
-            return NGramDrafter()
+            return NGramDrafter(*reversed(self.lookup()))
         from k3.model.draft import EagleDraft
         from k3.serve.engine.drafting import EagleDrafter, ModelDrafter
 

@@ -25,7 +25,7 @@ def test_the_longest_suffix_wins_over_a_later_shorter_match():
 
 
 def test_the_most_recent_occurrence_wins():
-    assert lookup([3, 4, 10, 11, 3, 4, 20, 21, 3, 4], gamma=2) == [20, 21]
+    assert lookup([3, 4, 10, 11, 3, 4, 20, 21, 3, 4], gamma=2, min_n=2) == [20, 21]
 
 
 def test_a_match_running_into_the_end_continues_periodically():
@@ -34,13 +34,16 @@ def test_a_match_running_into_the_end_continues_periodically():
 
 
 def test_no_match_of_min_n_tokens_proposes_nothing():
-    assert lookup([1, 2, 3, 4, 5, 3]) == []  # only the 1-gram [3] repeats; min_n is 2
+    assert lookup([1, 2, 3, 4, 5, 3], min_n=2) == []  # only the 1-gram [3] repeats
     assert lookup([1, 2, 3, 4, 5, 3], min_n=1) == [4, 5, 3, 4]
     assert lookup([1]) == []
+    # the default looks up 3 tokens at least (README: a 2-token match is wrong too often to pay): the 2-gram is not
+    assert lookup([3, 4, 10, 11, 3, 4]) == [] and lookup([3, 4, 10, 11, 3, 4], min_n=2) == [10, 11, 3, 4]
+    assert lookup([5, 3, 4, 10, 11, 5, 3, 4]) == [10, 11, 5, 3]
 
 
 def test_proposals_stop_at_gamma_and_follow_a_growing_history():
-    drafter = NGramDrafter()
+    drafter = NGramDrafter(min_n=2)
     history = [1, 2, 3, 4, 5, 6, 1, 2]
     assert drafter.lookup("r", history, 3) == [3, 4, 5]
     history += [3, 9, 1, 2]  # the index is extended, not rebuilt: [1, 2] now last occurred before 3 9
@@ -78,7 +81,7 @@ def test_the_drafter_reads_a_request_through_a_view_of_its_tokens():
 
 
 def test_the_draft_distribution_is_one_hot_at_each_token():
-    draft = NGramDrafter().propose("r", [4, 5, 6, 4], 5, SamplingParams(), [], [], None, 3)
+    draft = NGramDrafter(min_n=2).propose("r", [4, 5, 6, 4], 5, SamplingParams(), [], [], None, 3)
     assert draft.tokens == [6, 4, 5] and draft.q is None  # deterministic: made only where a verification reads it
     expected = torch.zeros(3, 50, dtype=torch.float64)
     expected[0, 6] = expected[1, 4] = expected[2, 5] = 1.0

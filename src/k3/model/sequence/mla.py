@@ -37,7 +37,7 @@ from torch import Tensor, nn
 
 from k3.config import K3Config
 from k3.model.norm import RMSNorm
-from k3.model.projections import project
+from k3.model.projections import constant, project
 
 __all__ = ["ABSORBED_TOKENS", "MLACache", "MLASlots", "MLAWindow", "Storage", "GatedMLA"]
 
@@ -343,9 +343,10 @@ class GatedMLA(nn.Module):
         return torch.cat([k_content, shared_key.unsqueeze(1).expand(B, H, L, self.shared_dim)], dim=-1), v
 
     def _up_weights(self) -> tuple[Tensor, Tensor]:
-        """Views ``W_uk`` ``[H, nope, r]`` and ``W_uv`` ``[H, v, r]`` of ``kv_b_proj.weight`` (no copies)."""
+        """Views ``W_uk`` ``[H, nope, r]`` and ``W_uv`` ``[H, v, r]`` of ``kv_b_proj.weight`` (no copies; in a graph
+        with constant weights, constants of their own: `k3.model.projections.constant`)."""
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
-        return w[:, : self.nope_dim], w[:, self.nope_dim :]
+        return constant(w[:, : self.nope_dim]), constant(w[:, self.nope_dim :])
 
     @staticmethod
     def _visible(T: int, L: int, device: torch.device, end: Tensor | None = None) -> Tensor:

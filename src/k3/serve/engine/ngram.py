@@ -46,7 +46,9 @@ class NGramDrafter:
     cost = 0.1
     free = True  # a lookup: a paused request keeps proposing, checked against the target's own tokens
 
-    def __init__(self, max_n: int = 4, min_n: int = 2) -> None:
+    MAX_N, MIN_N = 4, 3  # the lookup's default bounds (`k3.serve.options`: --prompt-lookup-max/-min; README)
+
+    def __init__(self, max_n: int = MAX_N, min_n: int = MIN_N) -> None:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"ngram: need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
         self.max_n, self.min_n = max_n, min_n
