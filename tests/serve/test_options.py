@@ -150,6 +150,10 @@ def test_prompt_lookup_bounds_are_refused_out_of_order_or_without_the_ngram_draf
                                          r"--prompt-lookup-max \(3\)"):
         EngineOptions.from_args(parse("serve", "--ckpt", "c", "--draft", "ngram", "--prompt-lookup-min", "4",
                                       "--prompt-lookup-max", "3"))
+    for low, high, got in ((1, 33, "1-33"), (40, None, "40-40")):  # an unset max moves up to the min
+        message = rf"--prompt-lookup-min/--prompt-lookup-max: at most 32 tokens \(got {got}\)"
+        with pytest.raises(ValueError, match=message):
+            EngineOptions(draft="ngram", prompt_lookup_min=low, prompt_lookup_max=high)
     for draft in ([], ["--draft", "d"]):
         with pytest.raises(ValueError, match="--prompt-lookup-min/--prompt-lookup-max: only with --draft ngram"):
             EngineOptions.from_args(parse("chat", "--ckpt", "c", *draft, "--prompt-lookup-max", "3"))
@@ -163,4 +167,4 @@ def test_the_help_states_the_drafters_lookup_defaults(capsys):
         parse("serve", "--help")
     text = " ".join(capsys.readouterr().out.split())
     assert f"the shortest suffix looked up (default {NGramDrafter.MIN_N};" in text
-    assert f"the longest suffix looked up, tried first (default {NGramDrafter.MAX_N})" in text
+    assert f"the longest suffix looked up, tried first (default {NGramDrafter.MAX_N}, at most 32)" in text

@@ -34,6 +34,7 @@ def positive(kind: type, zero: bool = False) -> Callable[[str], int | float]:
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+MAX_LOOKUP = 32  # --prompt-lookup-max: the longest suffix the n-gram drafter may look up (its work per token)
 
 
 def device_type(text: str) -> str:
@@ -127,6 +128,8 @@ class EngineOptions:
         low, high = self.lookup()
         if not 1 <= low <= high:
             raise ValueError(f"--prompt-lookup-min ({low}) must be at least 1 and at most --prompt-lookup-max ({high})")
+        if high > MAX_LOOKUP:  # each token indexes max − min + 1 n-grams of up to max tokens
+            raise ValueError(f"--prompt-lookup-min/--prompt-lookup-max: at most {MAX_LOOKUP} tokens (got {low}-{high})")
 
     def lookup(self) -> tuple[int, int]:
         """(min, max) tokens of the n-gram drafter's lookup: the flags, an unset one from `NGramDrafter`'s
@@ -157,7 +160,8 @@ class EngineOptions:
                             help="with --draft ngram: the shortest suffix looked up (default 3; 2 matches more often "
                                  "and is wrong more often)")
         parser.add_argument("--prompt-lookup-max", type=positive(int),
-                            help="with --draft ngram: the longest suffix looked up, tried first (default 4)")
+                            help="with --draft ngram: the longest suffix looked up, tried first (default 4, at most "
+                                 f"{MAX_LOOKUP})")
         parser.add_argument("--always-draft", action="store_true", help="draft --num-draft-tokens every step instead "
                             "of as many as each request's measured acceptance pays for (down to none)")
         parser.add_argument("--compile", action="store_true", help="decode and prefill-chunk steps through "
