@@ -46,10 +46,11 @@ def project(x: Tensor, *layers: nn.Module) -> list[Tensor]:
 
 def constant(weight: Tensor) -> Tensor:
     """``weight`` (a view of a parameter) as a contiguous tensor of its own when tracing inside `fused` — folded
-    once, at compilation — else the view itself. Inductor's C++ batched-GEMM template (torch 2.13, ``max_autotune``)
-    reads a constant operand from the start of its storage, ignoring a view's offset: MLA's ``W_uv``, the second half
-    of ``kv_b_proj.weight``, gave a verification graph logits 0.02–1.1 off (tested in `tests/model/test_compiled.py`;
-    the product alone: ``tests/model/test_projections.py``)."""
+    once, at compilation — else the view itself. Inductor's C++ GEMM templates (torch 2.13, ``max_autotune``; batched
+    and plain products alike) read a constant operand from the start of its storage, ignoring a view's offset: MLA's
+    ``W_uv``, the second half of ``kv_b_proj.weight``, gave a verification graph logits 0.02–1.1 off (tested in
+    `tests/model/test_compiled.py`; the product alone: ``tests/model/test_projections.py``). Compiled experts read
+    gathered copies (`k3.model.width.Experts._gathered`), not views."""
     if getattr(_FUSED, "on", False) and torch.compiler.is_compiling():
         return weight.contiguous()
     return weight
