@@ -22,14 +22,13 @@ every guard.
 wrapper: the weights become constants of the graph, the products of one input are one product on the stacked weights
 (`k3.model.projections.fused`, stacked once at compilation), the matrix–vector products are generated code fused with
 their neighbours instead of library calls, and the kernels are called from C++ — 2.5× faster decode on CPU, ~60 s of
-compilation per graph. The C++ batched-GEMM template ignores a constant view's storage offset (torch 2.13): inside
-`fused` the views of weights that reach a batched product are constants of their own (`k3.model.projections.constant`)
-— before, the verification graphs' logits were off by 0.02–1.1 and greedy speculation emitted other tokens than plain
-decoding (found at stop 68; tested). Frozen weights are snapshots, so a
-change to the model's parameters (an optimiser step, a `load_state_dict`) is detected at the next call, which resets
-`torch.compiler` (every compiled graph of the process) and compiles anew. Importing this module imports nothing of the
-compiler; it sets torch.nn's global parameter and buffer registration hooks (a counter that tells the weights' list went
-stale).
+compilation per graph. The C++ GEMM templates ignore a constant view's storage offset (torch 2.13): inside `fused`
+the views of weights that reach a product are constants of their own (`k3.model.projections.constant`) — before,
+the verification graphs' logits were off by 0.02–1.1 and greedy speculation emitted other tokens than plain decoding
+(found at stop 68; tested). Frozen weights are snapshots, so a change to the model's parameters (an optimiser step,
+a `load_state_dict`) is detected at the next call, which resets `torch.compiler` (every compiled graph of the process)
+and compiles anew. Importing this module imports nothing of the compiler; it sets torch.nn's global parameter and
+buffer registration hooks (a counter that tells the weights' list went stale).
 
 Inductor's cache of graphs, kernels and autotuning results is kept in ``~/.cache/k3/inductor`` (`persistent_cache`)
 rather than ``/tmp`` (issue 37); it serves the untuned graphs, but a tuned graph holds MKL's prepacked (mkldnn)

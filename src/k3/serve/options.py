@@ -120,7 +120,8 @@ class EngineOptions:
     grammar_cache_mb: float = 256.0  # --grammar-cache-mb
 
     def __post_init__(self) -> None:
-        """Refuses lookup bounds without ``--draft ngram`` or out of order (before any model is loaded)."""
+        """Refuses lookup bounds without ``--draft ngram``, out of order or past `MAX_LOOKUP` (before any model is
+        loaded)."""
         if self.draft != "ngram":
             if (self.prompt_lookup_min, self.prompt_lookup_max) != (None, None):
                 raise ValueError("--prompt-lookup-min/--prompt-lookup-max: only with --draft ngram")
