@@ -22,7 +22,8 @@ greedy and temperature 0.8, γ drafted always (``--always-draft``) or adaptively
 (passes repeated, medians reported; the speed-up is the median of each pass's own ratio); the acceptance rate per draft
 position; tokens kept per verified run; the steps in which a speculating engine's request decoded plainly; the tokens
 kept per run by output length (16-token bins).
-Greedy outputs are checked identical to plain decoding. With ``--compile`` every engine shares one set of compiled
+Greedy outputs are checked identical to plain decoding: in every timed pass, and at batch 1 on ``--checked`` (16)
+more prompts per workload, untimed. With ``--compile`` every engine shares one set of compiled
 graphs (decode batches 1, 2, 4 and 8 as `k3 serve --max-batch 8` has them, verification of γ + 1 tokens, with and
 without the EAGLE features), all built before anything is timed.
 Targets (issue 36): batch-1 greedy ≥ 1.5× (EAGLE), n-gram ≥ 2× on edits, batch 8 ≥ 1.0×, no row below 0.95×.
@@ -109,6 +110,12 @@ def build(options: EngineOptions, target, tokenizer, compiled: CompiledModel | N
                   adaptive_draft=not options.always_draft, compile=compiled)
 
 
+def answers(engine: Engine, batch: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    """``engine``'s answer to each prompt of ``batch``, one request at a time (untimed; after a row's statistics
+    were read)."""
+    return [decode(engine, [p], params)[1][0] for p in batch]
+
+
 def tokens_per_second(timed: tuple[float, list[list[int]]]) -> float:
     """Decode tokens per second of one engine's `decode` in a pass."""
     seconds, outputs = timed
@@ -131,6 +138,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--passes", type=int, default=3)
     parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--checked", type=int, default=16,
+                        help="prompts whose greedy answers each batch-1 engine must give as plain decoding (untimed)")
     args = parser.parse_args()
     torch.set_num_threads(2)
     target, tokenizer = load_model(Path(args.target))
@@ -146,6 +155,8 @@ def main() -> None:
         print(f"{compiled.compilations} graphs compiled in {sum(compiled.compile_seconds.values()):.0f} s", flush=True)
     built = 0 if compiled is None else compiled.compilations
     rows, positions, by_length = [], {}, {}
+    checked = {workload: prompts(tokenizer, args.checked, workload) for workload in ("text", "edit")}
+    plain_answers: dict[str, list] = {}
     for workload in ("text", "edit"):
         for batch_size, requests in ((1, 1), (8, 8), (8, 32)):  # 32: a queue through 8 slots, as a server runs
             batch = prompts(tokenizer, requests, workload)
@@ -187,6 +198,11 @@ def main() -> None:
                     by_length[key] = {
                         n: round(stats[f"kept_from_{n}"] / stats[f"runs_from_{n}"], 2)
                         for n in range(0, args.tokens, 16) if stats[f"runs_from_{n}"]}
+                    if temperature == 0 and batch_size == 1:  # one prompt is timed; more are checked, untimed
+                        if workload not in plain_answers:
+                            plain_answers[workload] = answers(engines["plain"], checked[workload], params)
+                        assert answers(engine, checked[workload], params) == plain_answers[workload], \
+                            f"{key}: greedy differs from plain on the checked prompts"
     print(table(rows, [("workload", "workload"), ("drafter", "drafter"), ("gamma", "γ"), ("batch", "batch"),
                        ("requests", "requests"), ("temperature", "temperature"), ("plain_tok_s", "plain tok/s"),
                        ("spec_tok_s", "speculative tok/s"), ("speed_up", "speed-up"), ("acceptance", "acceptance"),
