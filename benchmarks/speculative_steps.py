@@ -117,16 +117,16 @@ def main() -> None:
     parser.add_argument("--passes", type=int, default=3)
     parser.add_argument("--eager", action="store_true")
     parser.add_argument("--workload", choices=("edit", "text"), default="edit", help="`speculative.prompts`'s")
-    parser.add_argument("--lookup", nargs="+", default=["2-4"], metavar="MIN-MAX",
+    parser.add_argument("--lookup", nargs="+", default=[(2, 4)], metavar="MIN-MAX",
+                        type=lambda text: tuple(map(int, text.split("-", 1))),
                         help="n-gram lookup bounds (--prompt-lookup-min/-max), one speculating engine each")
     args = parser.parse_args()
     torch.set_num_threads(2)
     target, tokenizer = load_model(Path(args.target))
     plain = EngineOptions(max_batch=1, prefix_cache=False)
-    ngrams = {f"n-gram {bounds}, drafting always": replace(
-        plain, draft="ngram", num_draft_tokens=4, always_draft=True,
-        prompt_lookup_min=int(bounds.split("-")[0]), prompt_lookup_max=int(bounds.split("-")[1]))
-        for bounds in args.lookup}
+    ngrams = {f"n-gram {low}-{high}, drafting always": replace(
+        plain, draft="ngram", num_draft_tokens=4, always_draft=True, prompt_lookup_min=low, prompt_lookup_max=high)
+        for low, high in args.lookup}
     compiled = None if args.eager else CompiledModel(target, batches=(1,))
     start = time.perf_counter()
     if compiled is not None:
@@ -176,7 +176,7 @@ def main() -> None:
     path = write_results("speculative_steps" + ("_eager" if args.eager else "") +
                          ("" if args.workload == "edit" else f"_{args.workload}"),
                          {"machine": machine(), "target": args.target, "compiled": not args.eager,
-                          "workload": args.workload, "lookup": args.lookup, "rows": rows,
+                          "workload": args.workload, "lookup": [f"{a}-{b}" for a, b in args.lookup], "rows": rows,
                           "steps": kinds,
                           "accept_ms": {n: round(1e3 * x, 4) for n, x in accepts.items()}})
     print(f"wrote {path}")

@@ -238,7 +238,8 @@ class EngineOptions:
         if self.draft == "ngram":
             from k3.serve.engine.ngram import NGramDrafter
 
-            return NGramDrafter(*reversed(self.lookup()))
+            low, high = self.lookup()
+            return NGramDrafter(max_n=high, min_n=low)
         from k3.model.draft import EagleDraft
         from k3.serve.engine.drafting import EagleDrafter, ModelDrafter
 
