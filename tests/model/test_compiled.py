@@ -380,7 +380,7 @@ def test_compiled_eagle_speculation_reads_the_features_eager_speculation_reads(t
     compiled = CompiledModel(model, batches=(2,), sizes=(1, 4), tuned=False)
     compiled.decode(torch.zeros(2, 1, dtype=torch.long), DecoderState.stack([compiled._context(2)] * 2))  # no capture
     built = compiled.compilations
-    fast, eager = Recording(draft, compile=True), Recording(draft)  # the draft's steps compiled too
+    fast, eager = Recording(draft, compile=True, tuned=False), Recording(draft)  # the draft's steps compiled too
     engine = Engine(model, tok, max_batch=2, compile=compiled, drafter=fast, num_draft_tokens=3, adaptive_draft=False)
     engine.warm_up()
     fast.proposals.clear()  # the draft's warm-up proposal
@@ -397,6 +397,39 @@ def test_compiled_eagle_speculation_reads_the_features_eager_speculation_reads(t
 
 
 @pytest.mark.slow
+def test_a_tuned_greedy_chain_drafts_the_eager_chains_tokens_and_compiles_only_at_warm_up():
+    """`EagleDrafter(compile=True)`, tuned (the default): `warm_up` builds the greedy chain of γ draft steps as one
+    graph whose weights are constants (inductor's C++ GEMM templates); at other context lengths its drafts are the
+    eager drafter's, and the chain compiles nothing after `warm_up`."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list as graphs_of
+
+    from k3.model.draft import EagleDraft
+    from k3.serve.engine import SamplingParams
+    from k3.serve.engine.drafting import EagleDrafter
+
+    torch.manual_seed(3)
+    model = serving.model()
+    draft = EagleDraft(model).eval()
+    assert draft.config.layer_kind == "mla"
+    fast, eager = EagleDrafter(draft, compile=True), EagleDrafter(draft)
+    fast.warm_up(3)
+    built = len(graphs_of(EagleDraft.greedy.__code__))
+    assert built >= 1
+    g = torch.Generator().manual_seed(0)
+    width, vocab = model.config.hidden_size, model.config.vocab_size
+    for length in (4, 37, 90):
+        tokens = torch.randint(0, vocab, (length,), generator=g).tolist()
+        features = torch.randn(length, 3, width, generator=g)
+        proposals = []
+        for drafter in (fast, eager):
+            with torch.inference_mode():  # as `Engine.step` calls them
+                drafter.observe("r", tokens, features)
+                proposals.append(drafter.propose("r", [], tokens[-1], SamplingParams(temperature=0), [], [], None, 3))
+            drafter.end("r")
+        assert proposals[0].tokens == proposals[1].tokens and len(proposals[0].tokens) == 3
+    assert len(graphs_of(EagleDraft.greedy.__code__)) == built
+
+
 def test_paused_eagle_steps_run_the_plain_graphs_built_at_warm_up(tok):
     """Adaptive EAGLE on a compiled engine (issue 36): `Engine.warm_up` builds the decode graph without features
     beside the ones keeping them, so the steps of a paused request (an untrained draft loses its probes) run the

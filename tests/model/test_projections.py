@@ -119,3 +119,38 @@ def test_a_constant_view_is_its_own_constant_in_a_frozen_graph_and_the_view_itse
         expected = module(x)
         got = torch.compile(module)(x)
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+
+
+def test_entering_fused_does_not_compile_again_a_graph_traced_outside_it_on_a_fresh_thread():
+    """A graph traced on a thread that had never entered `fused` is still valid after a call there did: dynamo guards
+    what the trace read of the per-thread switch (its value, not whether the thread ever set it)."""
+    import threading
+
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list as graphs_of
+
+    layers = [nn.Linear(8, 8, bias=False) for _ in range(2)]
+    x = torch.randn(3, 8)
+
+    def both(x: torch.Tensor) -> torch.Tensor:
+        a, b = project(x, *layers)
+        return a + b
+
+    compiled, graphs, errors = torch.compile(both, backend="eager", dynamic=False), [], []
+
+    def serve() -> None:
+        try:
+            with torch.no_grad():
+                compiled(x)
+                graphs.append(len(graphs_of(both.__code__)))
+                with fused():
+                    pass
+                compiled(x)
+                graphs.append(len(graphs_of(both.__code__)))
+        except Exception as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+
+    torch._dynamo.reset()
+    thread = threading.Thread(target=serve)
+    thread.start()
+    thread.join()
+    assert not errors and graphs == [1, 1]

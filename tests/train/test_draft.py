@@ -166,6 +166,26 @@ def test_propose(model, kind):
     assert bool((q[:, outside] == 0).all())
 
 
+@pytest.mark.parametrize("kind", ["mla", "kda"])
+@pytest.mark.parametrize("d2t", [None, D2T])
+def test_the_greedy_chain_drafts_what_greedy_proposals_draft(model, kind, d2t):
+    """`EagleDraft.greedy` (γ steps in one call, each pick fed on as a tensor) drafts `propose`'s greedy tokens, from
+    an empty state and after a prefix, with and without a reduced vocabulary, and leaves the state as it was."""
+    draft = perturbed(EagleDraft(model, DraftConfig(layer_kind=kind, draft_vocab_size=None if d2t is None
+                                                    else len(d2t)), d2t))
+    greedy = SimpleNamespace(temperature=0.0)
+    for length in (0, 6):
+        start = draft.new_state(1)
+        if length:
+            _, _, start = draft(torch.randint(0, 512, (1, length)), torch.randn(1, length, 64), start)
+        before = [t.clone() for t in _state_tensors(start)]
+        feature, token = torch.randn(64), 11
+        expected, _, _ = draft.propose(feature, token, start, 5, greedy, probabilities)
+        chained = draft.greedy(torch.tensor([[token]]), feature.view(1, 1, 64), start, 5)
+        assert chained.dtype == torch.int64 and chained.tolist() == expected
+        assert all(torch.equal(a, b) for a, b in zip(_state_tensors(start), before, strict=True))
+
+
 def test_save_load_round_trip(model, tmp_path):
     draft = perturbed(EagleDraft(model, DraftConfig(layer_kind="kda", draft_vocab_size=len(D2T)), D2T))
     path = draft.save(tmp_path / "draft")

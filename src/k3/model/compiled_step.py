@@ -63,7 +63,8 @@ from k3.model.projections import fused
 from k3.model.sequence.mla import MLACache, MLASlots
 from k3.model.state import DecoderState
 
-__all__ = ["CASCADE_SUM", "CompiledStep", "background_begins", "background_ends", "cached", "persistent_cache"]
+__all__ = ["CASCADE_SUM", "CompiledStep", "background_begins", "background_ends", "cached", "persistent_cache",
+           "tuned_compiling", "tuned_options"]
 
 # inductor's C++ code sums more than this many fp32 terms in chunks (`need_use_acc_helper` in its cpp codegen), so a
 # graph of a dynamic cache length holds a guard on which side of it the attention's length lies: two graph families
@@ -160,10 +161,7 @@ class CompiledStep:
             from k3.model.onednn import ONEDNN
 
             return {"post_grad_custom_pre_pass": ONEDNN}
-        if self.model.device.type != "cpu":  # a CUDA graph replays the launches: no C++ wrapper or GEMM search
-            return {"freezing": True}
-        return {"freezing": True, "max_autotune": True, "cpp_wrapper": True,  # the graph's calls made from C++ too
-                "max_autotune_gemm_backends": "CPP,ATEN"}
+        return tuned_options(self.model.device)
 
     def _weights_digest(self) -> str:
         """`weights_digest` of the model's current weights (hashed again only after they changed): part of a
@@ -271,6 +269,25 @@ class CompiledStep:
             self.compilations += 1
             self._graphs[key] = graph
         return graph(self.model, input_ids, inputs)
+
+
+def tuned_options(device: torch.device) -> dict:
+    """Inductor's options for a graph whose weights are constants: on CPU freezing, the C++ GEMM templates and the C++
+    wrapper (the graph's calls made from C++ too); elsewhere freezing alone (a CUDA graph replays the launches)."""
+    if device.type != "cpu":
+        return {"freezing": True}
+    return {"freezing": True, "max_autotune": True, "cpp_wrapper": True, "max_autotune_gemm_backends": "CPP,ATEN"}
+
+
+@contextlib.contextmanager
+def tuned_compiling(*modules: torch.nn.Module) -> Iterator[None]:
+    """Within, a call that compiles builds a graph whose weights — the parameters and buffers of ``modules`` — are
+    constants, as `CompiledStep`'s tuned graphs are: `tuned_options`, `fused`, one compilation at a time, cached
+    under the weights' digest (`weights_digest`). A graph built here is run under `fused` (its shape warm): it holds
+    the weights as they were when it compiled."""
+    device = next(modules[0].parameters()).device
+    with _compiling(tuned_options(device), "+".join(weights_digest(m) for m in modules)), fused():
+        yield
 
 
 @contextlib.contextmanager

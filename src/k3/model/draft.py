@@ -281,6 +281,20 @@ class EagleDraft(nn.Module):
             current = pick.reshape(1, 1)
         return drafted, torch.stack(qs), state
 
+    def greedy(self, token: Tensor, feature: Tensor, state: DraftState, gamma: int) -> Tensor:
+        """`propose` at temperature 0 as one call: ``token`` ``[1, 1]`` (the token after the last accepted
+        position), ``feature`` ``[1, 1, d]`` (its fused target feature) → the ``gamma`` drafted target ids ``[gamma]``.
+        Each step's pick stays a tensor that feeds the next, so a compiled chain runs without a host round trip
+        between drafts; the state is read, not returned."""
+        hidden, picks = feature.to(self.in_proj.weight.dtype), []
+        for _ in range(gamma):
+            logits, hidden, state = self(token, hidden, state)
+            token = logits[:, -1:].argmax(-1)  # the draft vocabulary's argmax is the mapped row's (`to_target`)
+            if self.d2t is not None:
+                token = self.d2t[token]
+            picks.append(token)
+        return torch.cat(picks, dim=-1)[0]
+
     # ------------------------------------------------------------------ checkpoints
     def write(self, directory: Path) -> None:
         """``draft.safetensors`` (the draft's own tensors, finite; never the target's) and ``draft.json``."""

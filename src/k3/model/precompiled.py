@@ -53,7 +53,7 @@ def layout_digest(model: K3ForCausalLM) -> str:
     return digest.hexdigest()[:24]
 
 
-def weights_digest(model: K3ForCausalLM) -> str:
+def weights_digest(model: torch.nn.Module) -> str:
     """The values of every parameter and buffer of ``model`` (name, shape, dtype and bytes), hashed (~1.8 GB/s here):
     part of a tuned graph's cache key, as inductor keeps what it derived from frozen weights in the entry."""
     digest = hashlib.sha256()

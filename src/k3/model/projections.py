@@ -18,14 +18,22 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-_FUSED = threading.local()  # per thread: a graph compiled in the background traces beside one that runs
+class _Fused(threading.local):
+    """Per thread (a graph compiled in the background traces beside one that runs): inside `fused`. Set on every
+    thread from the start: dynamo guards what a trace read of it, and a guard on the attribute's absence failed
+    once any call on the thread had entered `fused`, compiling again graphs traced before it (the EAGLE draft's)."""
+
+    on = False
+
+
+_FUSED = _Fused()
 
 
 @contextmanager
 def fused(on: bool = True) -> Iterator[None]:
     """Within (on this thread): `project` traces one product on the stacked weights (for graphs whose weights are
     constants)."""
-    previous, _FUSED.on = getattr(_FUSED, "on", False), on
+    previous, _FUSED.on = _FUSED.on, on
     try:
         yield
     finally:
@@ -36,7 +44,7 @@ def project(x: Tensor, *layers: nn.Module) -> list[Tensor]:
     """``[layer(x) for layer in layers]``, as one matmul on the stacked weights when tracing inside `fused` and
     every layer is a plain bias-free `nn.Linear` of one dtype (anything else runs module by module, its hooks
     included)."""
-    stack = (getattr(_FUSED, "on", False) and torch.compiler.is_compiling() and len(layers) > 1
+    stack = (_FUSED.on and torch.compiler.is_compiling() and len(layers) > 1
              and all(_plain(layer) for layer in layers) and len({layer.weight.dtype for layer in layers}) == 1)
     if not stack:
         return [layer(x) for layer in layers]
@@ -51,7 +59,7 @@ def constant(weight: Tensor) -> Tensor:
     ``W_uv``, the second half of ``kv_b_proj.weight``, gave a verification graph logits 0.02–1.1 off (tested in
     `tests/model/test_compiled.py`; the product alone: ``tests/model/test_projections.py``). Compiled experts read
     gathered copies (`k3.model.width.Experts._gathered`), not views."""
-    if getattr(_FUSED, "on", False) and torch.compiler.is_compiling():
+    if _FUSED.on and torch.compiler.is_compiling():
         return weight.contiguous()
     return weight
 

@@ -267,14 +267,19 @@ def test_lazy_draft_reads_equal_a_read_per_step_and_a_teacher_forced_pass():
     want = every.propose("r", [], 7, params, [], [], None, 3)
     got = lazy.propose("r", [], 7, params, [], [], None, 3)
     assert reads == [sum(pieces) - 1]
-    assert got.tokens == want.tokens
+    assert got.tokens == want.tokens and got.q is None  # greedy: the chain, no q
+    sampled = SamplingParams(temperature=1.0)  # step by step, with each step's distribution q
+    want, got = (drafter.propose("r", [], 7, sampled, [], [], torch.Generator().manual_seed(1), 3)
+                 for drafter in (every, lazy))
     torch.testing.assert_close(got.q, want.q, rtol=0, atol=1e-5)
 
     flat = [t for piece in tokens for t in piece]
     with torch.no_grad():
         hidden = draft.fuse(list(torch.cat(features).unbind(-2)))
         logits, _, _ = draft(torch.tensor([flat[1:] + [7]]), hidden[None])
-    torch.testing.assert_close(got.q[0], probabilities(draft.to_target(logits[0, -1]), params), rtol=0, atol=1e-5)
+    row = draft.to_target(logits[0, -1])
+    torch.testing.assert_close(got.q[0], probabilities(row, sampled), rtol=0, atol=1e-5)
+    assert lazy.propose("r", [], 7, params, [], [], None, 3).tokens[0] == int(row.argmax())
 
 
 def test_lazy_draft_reads_are_bounded():
@@ -308,13 +313,17 @@ def test_the_draft_reads_on_after_positions_it_was_not_given():
     drafter.observe("r", after[:2], f_after[:2])
     drafter.observe("r", after[2:], f_after[2:])
     got = drafter.propose("r", [], 7, params, [], [], None, 3)
+    sampled = SamplingParams(temperature=1.0)
+    q = drafter.propose("r", [], 7, sampled, [], [], torch.Generator().manual_seed(1), 3).q
 
     with torch.no_grad():
         fused_before = draft.fuse(list(f_before.unbind(-2)))
         fused_after = draft.fuse(list(f_after.unbind(-2)))
         hidden = torch.cat([fused_before[:-1], fused_after])
         logits, _, _ = draft(torch.tensor([before[1:] + after[1:] + [7]]), hidden[None])
-    torch.testing.assert_close(got.q[0], probabilities(draft.to_target(logits[0, -1]), params), rtol=0, atol=1e-5)
+    row = draft.to_target(logits[0, -1])
+    torch.testing.assert_close(q[0], probabilities(row, sampled), rtol=0, atol=1e-5)
+    assert got.tokens[0] == int(row.argmax())
 
 
 def test_a_paused_eagle_request_decodes_without_capturing_features(model, tok, monkeypatch):
