@@ -400,7 +400,7 @@ def test_compiled_eagle_speculation_reads_the_features_eager_speculation_reads(t
 def test_a_tuned_greedy_chain_drafts_the_eager_chains_tokens_and_compiles_only_at_warm_up():
     """`EagleDrafter(compile=True)`, tuned (the default): `warm_up` builds the greedy chain of γ draft steps as one
     graph whose weights are constants (inductor's C++ GEMM templates); at other context lengths its drafts are the
-    eager drafter's, and the chain compiles nothing after `warm_up`."""
+    eager drafter's (fewer than γ too, from the γ-step chain), and the chain compiles nothing after `warm_up`."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list as graphs_of
 
     from k3.model.draft import EagleDraft
@@ -415,19 +415,22 @@ def test_a_tuned_greedy_chain_drafts_the_eager_chains_tokens_and_compiles_only_a
     fast.warm_up(3)
     built = len(graphs_of(EagleDraft.greedy.__code__))
     assert built >= 1
+    chained, chain = [], fast._greedy
+    fast._greedy = lambda *args: (chained.append(args[-1]), chain(*args))[1]  # the steps of each compiled call
     g = torch.Generator().manual_seed(0)
     width, vocab = model.config.hidden_size, model.config.vocab_size
-    for length in (4, 37, 90):
+    for length, gamma in ((4, 3), (37, 3), (90, 2)):  # 2: fewer near an answer's end, the first of the chain's 3
         tokens = torch.randint(0, vocab, (length,), generator=g).tolist()
         features = torch.randn(length, 3, width, generator=g)
         proposals = []
         for drafter in (fast, eager):
             with torch.inference_mode():  # as `Engine.step` calls them
                 drafter.observe("r", tokens, features)
-                proposals.append(drafter.propose("r", [], tokens[-1], SamplingParams(temperature=0), [], [], None, 3))
+                proposals.append(drafter.propose("r", [], tokens[-1], SamplingParams(temperature=0), [], [], None,
+                                                 gamma))
             drafter.end("r")
-        assert proposals[0].tokens == proposals[1].tokens and len(proposals[0].tokens) == 3
-    assert len(graphs_of(EagleDraft.greedy.__code__)) == built
+        assert proposals[0].tokens == proposals[1].tokens and len(proposals[0].tokens) == gamma
+    assert len(graphs_of(EagleDraft.greedy.__code__)) == built and chained == [3, 3, 3]
 
 
 def test_paused_eagle_steps_run_the_plain_graphs_built_at_warm_up(tok):

@@ -275,20 +275,22 @@ class EagleDrafter:
 
     def _chain(self, seq: _Sequence, pending: int, gamma: int, build: bool = False) -> list[int]:
         """γ greedy drafts in one call (`EagleDraft.greedy`): on the compiled graph `warm_up` built for this shape
-        (``build``), else eagerly (a tuned graph takes about a minute to build: never while serving)."""
+        (``build``) — a chain of more steps serves fewer, as greedy drafts are prefixes of longer ones (an answer's
+        last tokens) — else eagerly (a tuned graph takes about a minute to build: never while serving)."""
         token = torch.tensor([[pending]], device=seq.feature.device)
         feature, state = seq.feature.reshape(1, 1, -1), seq.state
-        key = (gamma, min(state.length, 2) if isinstance(state, MLACache) else 2)  # a KDA state has one shape
-        if self._greedy is None or not (build or key in self._built):
+        cached = min(state.length, 2) if isinstance(state, MLACache) else 2  # a KDA state has one shape
+        steps = gamma if build else min((g for g, c in self._built if c == cached and g >= gamma), default=None)
+        if self._greedy is None or steps is None:
             return self.draft.greedy(token, feature, state, gamma).tolist()
         if self.tuned:
             context = tuned_compiling(self.draft, self.draft.target) if build else fused()
         else:
             context = contextlib.nullcontext()
         with context:
-            drafted = self._greedy(token, feature, state, gamma).tolist()
-        self._built.add(key)
-        return drafted
+            drafted = self._greedy(token, feature, state, steps).tolist()
+        self._built.add((steps, cached))
+        return drafted[:gamma]
 
     @torch.inference_mode()  # as serving calls them: dynamo tells graphs built under no_grad apart
     def warm_up(self, gamma: int) -> None:
