@@ -92,6 +92,19 @@ def decode(engine: Engine, batch: list[list[int]], params: SamplingParams) -> tu
     return time.perf_counter() - first[0], outputs
 
 
+def batch1_run(description: str) -> tuple[argparse.Namespace, object, object]:
+    """The batch-1 EAGLE scripts' start (`speculative_paused.py`, `speculative_chain.py`): their arguments
+    (``--target``, ``--draft``, ``--prompts``, ``--passes``), 2 threads, and the target and its tokenizer loaded."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--target", default="runs/mini")
+    parser.add_argument("--draft", default="runs/mini-draft", help="an EAGLE-3 draft of the target")
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--passes", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    return (args, *load_model(Path(args.target)))
+
+
 def replay_bytes(config, gamma: int) -> tuple[int, int]:
     """(KDA replay buffers for one verified run of γ+1 tokens, per-position KDA state snapshots), fp32."""
     k = config.kda

@@ -10,19 +10,16 @@ identical to plain decoding's.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
 from pathlib import Path
 
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import machine, table, write_results  # noqa: E402
-from speculative import decode, prompts  # noqa: E402
+from speculative import batch1_run, decode, prompts  # noqa: E402
 
-from k3.model.checkpoint import load_model  # noqa: E402
 from k3.model.compiled import CompiledModel  # noqa: E402
 from k3.model.draft import EagleDraft  # noqa: E402
 from k3.serve.engine import Engine, SamplingParams  # noqa: E402
@@ -44,14 +41,7 @@ def engines(target, tokenizer, draft: str, compiled: CompiledModel) -> dict[str,
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--target", default="runs/mini")
-    parser.add_argument("--draft", default="runs/mini-draft", help="an EAGLE-3 draft of the target")
-    parser.add_argument("--prompts", type=int, default=8)
-    parser.add_argument("--passes", type=int, default=3)
-    args = parser.parse_args()
-    torch.set_num_threads(2)
-    target, tokenizer = load_model(Path(args.target))
+    args, target, tokenizer = batch1_run(__doc__.split("\n\n")[0])
     compiled = CompiledModel(target, batches=(1,))
     built = engines(target, tokenizer, args.draft, compiled)
     start = time.perf_counter()

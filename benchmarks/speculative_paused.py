@@ -10,34 +10,24 @@ of adaptive EAGLE before stop 58, when paused steps still captured. Batch 1, gre
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
 from dataclasses import replace
 from pathlib import Path
 
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import machine, table, write_results  # noqa: E402
-from speculative import build, decode, prompts  # noqa: E402
+from speculative import batch1_run, build, decode, prompts  # noqa: E402
 
-from k3.model.checkpoint import load_model  # noqa: E402
 from k3.model.compiled import CompiledModel  # noqa: E402
 from k3.serve.engine import SamplingParams  # noqa: E402
 from k3.serve.options import EngineOptions  # noqa: E402
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--target", default="runs/mini")
-    parser.add_argument("--draft", default="runs/mini-draft", help="an EAGLE-3 draft of the target")
-    parser.add_argument("--prompts", type=int, default=8)
-    parser.add_argument("--passes", type=int, default=3)
-    args = parser.parse_args()
-    torch.set_num_threads(2)
-    target, tokenizer = load_model(Path(args.target))
+    args, target, tokenizer = batch1_run(__doc__.split("\n\n")[0])
     plain = EngineOptions(max_batch=1, prefix_cache=False)
     eagle = replace(plain, draft=args.draft, num_draft_tokens=4)
     compiled = CompiledModel(target, batches=(1,))
