@@ -358,12 +358,21 @@ def test_a_tuned_verification_graph_gives_the_eager_logits():
     torch.testing.assert_close(logits, eager.reshape(logits.shape), atol=LOGIT_TOLERANCE, rtol=0)
 
 
+def _draft_graphs() -> dict[str, int]:
+    """The graphs dynamo holds of the EAGLE draft's compiled reads, steps and greedy chains."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list as graphs_of
+
+    from k3.model.draft import EagleDraft
+
+    return {f.__name__: len(graphs_of(f.__code__)) for f in (EagleDraft.read, EagleDraft.forward, EagleDraft.greedy)}
+
+
 def test_compiled_eagle_speculation_reads_the_features_eager_speculation_reads(tok):
     """An EAGLE-3 draft reading AttnRes block outputs (a 4-block target) on a compiled engine: decode,
     verification and prefill graphs keep the target features (the capture is part of their shape key: a graph built
     without it is never reused with it; a prefill chunk keeps each piece's) and the draft's own steps are compiled,
     so every proposal equals the eager engine's — the same tokens, q within 1e-4 — and the answers equal plain
-    decoding; after `Engine.warm_up` nothing compiles."""
+    decoding; after `Engine.warm_up` nothing compiles, the draft's reads of a 30-token prompt included."""
     from k3.model.draft import EagleDraft
     from k3.serve.engine import Engine, SamplingParams
     from k3.serve.engine.drafting import EagleDrafter
@@ -385,11 +394,11 @@ def test_compiled_eagle_speculation_reads_the_features_eager_speculation_reads(t
     engine.warm_up()
     fast.proposals.clear()  # the draft's warm-up proposal
     assert compiled.compilations == built + 4  # decode, verification, prefill pieces on an empty cache and a cache
-    warm = compiled.compilations
+    warm, drafts = compiled.compilations, _draft_graphs()
     assert _together(engine, prompts, params) == _together(Engine(model, tok, max_batch=2), prompts, params)
     _together(Engine(model, tok, max_batch=2, drafter=eager, num_draft_tokens=3, adaptive_draft=False), prompts,
               params)
-    assert compiled.compilations == warm
+    assert compiled.compilations == warm and _draft_graphs() == drafts  # the draft's reads and chain too
     assert len(fast.proposals) == len(eager.proposals) > 0
     for a, b in zip(fast.proposals, eager.proposals, strict=True):
         assert a.tokens == b.tokens
@@ -400,9 +409,7 @@ def test_compiled_eagle_speculation_reads_the_features_eager_speculation_reads(t
 def test_a_tuned_greedy_chain_drafts_the_eager_chains_tokens_and_compiles_only_at_warm_up():
     """`EagleDrafter(compile=True)`, tuned (the default): `warm_up` builds the greedy chain of γ draft steps as one
     graph whose weights are constants (inductor's C++ GEMM templates); at other context lengths its drafts are the
-    eager drafter's (fewer than γ too, from the γ-step chain), and the chain compiles nothing after `warm_up`."""
-    from torch._dynamo.eval_frame import _debug_get_cache_entry_list as graphs_of
-
+    eager drafter's (fewer than γ too, from the γ-step chain), and nothing of the draft compiles after `warm_up`."""
     from k3.model.draft import EagleDraft
     from k3.serve.engine import SamplingParams
     from k3.serve.engine.drafting import EagleDrafter
@@ -413,8 +420,8 @@ def test_a_tuned_greedy_chain_drafts_the_eager_chains_tokens_and_compiles_only_a
     assert draft.config.layer_kind == "mla"
     fast, eager = EagleDrafter(draft, compile=True), EagleDrafter(draft)
     fast.warm_up(3)
-    built = len(graphs_of(EagleDraft.greedy.__code__))
-    assert built >= 1
+    built = _draft_graphs()
+    assert built["greedy"] >= 1
     chained, chain = [], fast._greedy
     fast._greedy = lambda *args: (chained.append(args[-1]), chain(*args))[1]  # the steps of each compiled call
     g = torch.Generator().manual_seed(0)
@@ -430,7 +437,7 @@ def test_a_tuned_greedy_chain_drafts_the_eager_chains_tokens_and_compiles_only_a
                                                  gamma))
             drafter.end("r")
         assert proposals[0].tokens == proposals[1].tokens and len(proposals[0].tokens) == gamma
-    assert len(graphs_of(EagleDraft.greedy.__code__)) == built and chained == [3, 3, 3]
+    assert _draft_graphs() == built and chained == [3, 3, 3]
 
 
 def test_paused_eagle_steps_run_the_plain_graphs_built_at_warm_up(tok):

@@ -33,7 +33,7 @@ from k3.model.compiled_step import tuned_compiling
 from k3.model.draft import DraftState, EagleDraft
 from k3.model.lm import K3ForCausalLM
 from k3.model.projections import fused
-from k3.model.sequence.mla import MLACache
+from k3.model.sequence.mla import ABSORBED_TOKENS, MLACache
 from k3.model.state import DecoderState
 from k3.serve.engine.payoff import READ_AHEAD, DraftLength, StepCost
 from k3.serve.engine.sampling import SamplingParams, process
@@ -258,7 +258,7 @@ class EagleDrafter:
         paired = tokens if seq.feature is not None else tokens[1:]
         if paired:
             seq.state = self._read(torch.tensor([paired], device=hidden.device), hidden[None], seq.state)
-        seq.feature = features[-1]
+        seq.feature = features[-1].clone()  # its own storage: dynamo specialises a view's storage offset 0 and 1
 
     @torch.inference_mode()
     def propose(self, request_id: str, history: Sequence[int], pending: int, params: SamplingParams,
@@ -294,13 +294,18 @@ class EagleDrafter:
 
     @torch.inference_mode()  # as serving calls them: dynamo tells graphs built under no_grad apart
     def warm_up(self, gamma: int) -> None:
-        """Compile the draft's steps: a read of several positions, then a proposal of ``gamma`` through the sampled
-        proposals' steps and (``chain``) through the greedy chain's graph."""
+        """Compile the draft's steps: the reads serving makes — of a prompt (an empty state), of kept tokens or
+        decoded ones, and of a paused request's catch-up, each up to and past MLA's absorbed form (`ABSORBED_TOKENS`
+        new positions; dynamic shapes specialise sizes 0 and 1 apart from the rest) — then a proposal of ``gamma``
+        through the sampled proposals' steps and (``chain``) through the greedy chain's graph."""
         weight = self.draft.in_proj.weight
-        features = torch.zeros(8, 3, weight.shape[0], dtype=weight.dtype, device=weight.device)
-        for length in (8, 3, 1):  # dynamic shapes: sizes 0 and 1 are specialised apart from the rest
-            self.observe(" warm-up", [0] * length, features[:length])
-            self._catch_up(self._sequences[" warm-up"])
+        long = ABSORBED_TOKENS + 4
+        features = torch.zeros(long + 1, 3, weight.shape[0], dtype=weight.dtype, device=weight.device)
+        for name, lengths in ((" warm-up", (8, 3, 1, long)), (" warm-up, long prompt", (long + 1,))):
+            for length in lengths:  # reads of 7 (an empty state), 3, 1 and ``long`` positions; ``long`` on an empty one
+                self.observe(name, [0] * length, features[:length])
+                self._catch_up(self._sequences[name])
+        self.end(" warm-up, long prompt")
         seq = self._sequences[" warm-up"]  # the sampled proposals' steps, then the greedy chain
         self.draft.propose(seq.feature, 0, seq.state, gamma, SamplingParams(temperature=0), probabilities, None,
                            self._step)
