@@ -207,8 +207,8 @@ class EagleDrafter:
     proposals of `mini`'s draft on CPU), and a greedy proposal is one call of a graph of all γ steps
     (`EagleDraft.greedy`), ``tuned`` as the target's decode step is (`k3.model.compiled_step.tuned_compiling`: the
     weights constants, inductor's C++ GEMM templates; ``tuned=False``: inductor's defaults, quicker to build): 4 drafts
-    of `mini`'s draft in 0.37–0.48 ms against 1.5–2.4 ms step by step, 0.76–0.80 ms untuned (``chain=False``: step by
-    step, as sampled proposals run; README, "EAGLE's greedy drafts in one graph")."""
+    of `mini`'s draft in 0.37–0.57 ms against 1.46–2.44 ms step by step, 0.72–0.80 ms untuned (``chain=False``: step
+    by step, as sampled proposals run; README, "EAGLE's greedy drafts in one graph")."""
 
     cost = 0.25  # one draft layer and the LM head per drafted position, and its verified position (stated)
     free = False
