@@ -110,6 +110,14 @@ def accept_seconds(target, compiled: CompiledModel | None, prompt: list[int], ga
     return out
 
 
+def lookup_bounds(text: str) -> tuple[int, int]:
+    """``MIN-MAX`` (``--lookup``) as two ints; anything else is refused with the text it got."""
+    low, dash, high = text.partition("-")
+    if not (dash and low.isdigit() and high.isdigit()):
+        raise argparse.ArgumentTypeError(f"expected MIN-MAX (two whole numbers, e.g. 3-4), got {text!r}")
+    return int(low), int(high)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default="runs/mini")
@@ -118,7 +126,7 @@ def main() -> None:
     parser.add_argument("--eager", action="store_true")
     parser.add_argument("--workload", choices=("edit", "text"), default="edit", help="`speculative.prompts`'s")
     parser.add_argument("--lookup", nargs="+", default=[(2, 4)], metavar="MIN-MAX",
-                        type=lambda text: tuple(map(int, text.split("-", 1))),
+                        type=lookup_bounds,
                         help="n-gram lookup bounds (--prompt-lookup-min/-max), one speculating engine each")
     args = parser.parse_args()
     torch.set_num_threads(2)
