@@ -11,7 +11,8 @@ listening and to the first token (from the process start), the decode tokens/s o
 three, when every precompiled graph was ready (compiled by the graph process, `k3.model.graph_worker`, or loaded)
 and when every graph was (the tuned decode graph too, compiled on the server's gated thread). Rows: eager;
 ``--compile`` (background compilation, cold, then warm); ``--compile --compile-wait`` (warm: every graph built
-before listening, the previous behaviour).
+before listening, the previous behaviour); with ``--only packages``, ``--compile --compile-packages`` cold and warm
+alone (the tuned decode graph as an AOTInductor package, `k3.model.packaged`, which the warm start loads).
 
 Then ``k3 generate --compile`` of 200 greedy tokens as a whole process (import, load, graphs, decoding), beside the
 same command without ``--compile``: cold (empty caches), warm (the first warm run loads the graphs and records what
@@ -114,7 +115,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=900, help="longest a row runs (default %(default)s)")
     parser.add_argument("--think", type=float, default=1.0, help="pause between a client's requests")
-    parser.add_argument("--only", choices=("serve", "generate"), help="one half of the run")
+    parser.add_argument("--only", choices=("serve", "generate", "packages"),
+                        help="one half of the run, or the two --compile-packages servers (cold, warm) alone")
     args = parser.parse_args()
     rows: list[dict] = []
     runs: list[dict] = []
@@ -125,14 +127,19 @@ def main() -> None:
         ckpt = save_model(work / "small", K3ForCausalLM(preset("small")), tokenizer)
         prompt = tokenizer.encode("def parse(text):\n    " * 8)[:40]
         caches = {"cold": work / "cache", "none": work / "unused"}
-        for name, flags, cache, seconds in (
+        packaged = ["--compile", "--compile-packages"]
+        servers = (("--compile --compile-packages, cold", packaged, work / "packaged", args.seconds),
+                   ("--compile --compile-packages, warm", packaged, work / "packaged", args.seconds)) \
+            if args.only == "packages" else (
                 ("eager", [], caches["none"], 60), ("--compile, cold", ["--compile"], caches["cold"], args.seconds),
                 ("--compile, warm", ["--compile"], caches["cold"], args.seconds),
-                ("--compile --compile-wait, warm", ["--compile", "--compile-wait"], caches["cold"], 60)):
+                ("--compile --compile-wait, warm", ["--compile", "--compile-wait"], caches["cold"], 60))
+        for name, flags, cache, seconds in servers:
             if args.only != "generate":
                 rows.append(row(ckpt, name, flags, cache, prompt, seconds, args.think))
                 print(rows[-1], flush=True)
-        for model_name, config in (("small", preset("small")), ("d=1024", wide())) if args.only != "serve" else ():
+        for model_name, config in (("small", preset("small")), ("d=1024", wide())) if args.only in (None, "generate") \
+                else ():
             torch.manual_seed(0)
             path = save_model(work / model_name, K3ForCausalLM(config), tokenizer)
             xdg = work / f"xdg-{model_name}"

@@ -18,10 +18,10 @@ from k3.serve.engine.ngram import NGramDrafter
 from k3.serve.options import EngineOptions
 
 #: the commands' defaults before `EngineOptions` (`k3.cli` at a5b2f96), field by field, and the grammar cache's,
-#: adaptive drafting's and the n-gram lookup's (issue 36) since
+#: adaptive drafting's and the n-gram lookup's (issue 36) and packaged graphs' (issue 37) since
 PREVIOUS_DEFAULTS = {"max_model_len": None, "max_batch": 32, "prefill_chunk": 64, "max_waiting": None, "draft": None,
                      "num_draft_tokens": 4, "prompt_lookup_min": None, "prompt_lookup_max": None,
-                     "always_draft": False, "compile": False, "prefix_cache": True,
+                     "always_draft": False, "compile": False, "compile_packages": False, "prefix_cache": True,
                      "prefix_cache_gb": 1.0,
                      "cache_block_tokens": 64, "cache_checkpoint_every": 8, "cache_page_blocks": 4, "threads": None,
                      "grammar_cache_mb": 256.0}
@@ -168,3 +168,17 @@ def test_the_help_states_the_drafters_lookup_defaults(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert f"the shortest suffix looked up (default {NGramDrafter.MIN_N};" in text
     assert f"the longest suffix looked up, tried first (default {NGramDrafter.MAX_N}, at most 32)" in text
+
+
+@pytest.mark.parametrize("command", ["serve", "chat"])
+def test_compile_packages_puts_the_engines_tuned_steps_on_packages_and_needs_compile(command):
+    from k3.model.packaged import PackagedStep
+
+    options = EngineOptions.from_args(parse(command, "--ckpt", "c", "--compile", "--compile-packages"))
+    assert options == EngineOptions(compile=True, compile_packages=True)
+    engine = options.build(serving.model(), serving.tokenizer())
+    assert isinstance(engine.compiled.decode_step, PackagedStep) and isinstance(engine.compiled.verify_step,
+                                                                                PackagedStep)
+    assert engine.compiled.compilations == 0  # nothing is built before `warm_up`
+    with pytest.raises(ValueError, match="--compile-packages: only with --compile"):
+        EngineOptions.from_args(parse(command, "--ckpt", "c", "--compile-packages"))

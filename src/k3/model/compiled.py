@@ -11,6 +11,8 @@ weights are graph inputs, the whole step is saved to a file) load in seconds ins
 decodes on one (`CompiledModel.precompile`), and a server builds its graphs in the background while it serves
 eagerly (`CompiledModel.compile_in_background`): the precompiled graph of every family first (compiled by a process
 of its own on the CPU, `k3.model.graph_worker`), then the tuned decode and verification graphs that replace them.
+With ``packaged`` (``--compile-packages``) those tuned steps are AOTInductor packages (`k3.model.packaged`), which a
+later process loads in seconds instead of compiling them again, and whose calls skip dynamo's frame evaluation.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from k3.model.background import Gate
 from k3.model.compiled_step import CASCADE_SUM, CompiledStep, background_begins, background_ends, cached
 from k3.model.graph_worker import GraphWorker
 from k3.model.lm import K3ForCausalLM
+from k3.model.packaged import PackagedStep
 from k3.model.precompiled import GraphFiles
 from k3.model.state import DecoderState
 
@@ -65,14 +68,18 @@ class CompiledModel:
     and the state; `step` gives the logits ``[B, V]`` of `K3ForCausalLM.forward_groups` (the engine's form)."""
 
     def __init__(self, model: K3ForCausalLM, batches: tuple[int, ...] = DECODE_BATCHES,
-                 sizes: tuple[int, ...] = PREFILL_PIECES, tuned: bool = True) -> None:
+                 sizes: tuple[int, ...] = PREFILL_PIECES, tuned: bool = True, packaged: bool = False) -> None:
+        """``packaged``: the decode and verification steps run on AOTInductor packages (`k3.model.packaged`), saved
+        for the next process, instead of graphs traced by dynamo in this one."""
         if 1 not in sizes or min(batches, default=0) < 1:
             raise ValueError(f"sizes must hold 1 and batches be positive, got sizes={sizes}, batches={batches}")
         self.model, self.batches, self.sizes = model, tuple(sorted(batches)), tuple(sizes)
         self.gate = Gate()  # a background compilation runs only between steps
-        self.decode_step = CompiledStep(model, tuned, gate=self.gate)
+        self.decode_step: CompiledStep | PackagedStep = PackagedStep(model, tuned=tuned) if packaged else \
+            CompiledStep(model, tuned, gate=self.gate)
         self.prefill_step = CompiledStep(model, gate=self.gate)
-        self.verify_step = CompiledStep(model, tuned, replayed=True, gate=self.gate)
+        self.verify_step: CompiledStep | PackagedStep = PackagedStep(model, replayed=True, tuned=tuned) if packaged \
+            else CompiledStep(model, tuned, replayed=True, gate=self.gate)
         # the last padded decode: (the rows returned, the whole bucket), so a batch that is not a bucket continues
         # its filler rows too and its caches keep growing in place instead of being stacked anew every step
         self._padded: tuple[DecoderState, DecoderState] | None = None
@@ -86,7 +93,7 @@ class CompiledModel:
         self.worker: GraphWorker | None = None  # the process compiling the precompiled graphs (`failure`: why not)
         self.eager_calls = self.graph_calls = 0  # steps run eagerly (no graph for them, or not ready yet) / on graphs
 
-    def _steps(self) -> dict[str, CompiledStep]:
+    def _steps(self) -> dict[str, CompiledStep | PackagedStep]:
         """Every compiled step by name: the traced ones and the precompiled ones."""
         return {"decode": self.decode_step, "prefill": self.prefill_step, "verify": self.verify_step,
                 **{f"precompiled {kind}": step for kind, step in self.precompiled.items()}}

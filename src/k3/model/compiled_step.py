@@ -63,8 +63,8 @@ from k3.model.projections import fused
 from k3.model.sequence.mla import MLACache, MLASlots
 from k3.model.state import DecoderState
 
-__all__ = ["CASCADE_SUM", "CompiledStep", "background_begins", "background_ends", "cached", "persistent_cache",
-           "tuned_compiling", "tuned_options"]
+__all__ = ["CASCADE_SUM", "CompiledStep", "WeightsVersion", "background_begins", "background_ends", "cached",
+           "persistent_cache", "tuned_compiling", "tuned_options"]
 
 # inductor's C++ code sums more than this many fp32 terms in chunks (`need_use_acc_helper` in its cpp codegen), so a
 # graph of a dynamic cache length holds a guard on which side of it the attention's length lies: two graph families
@@ -106,6 +106,25 @@ def _stack_packed(model: K3ForCausalLM) -> None:
             module.stack()
 
 
+class WeightsVersion:
+    """``version()``: where a module's weights live and how often they were written (what frozen graphs hold as
+    constants). The list of weights is gathered again only after a module anywhere (re)registered a parameter or
+    buffer: walking the module tree on every step cost ~0.7 ms, a fifth of a compiled decode step of ``small``. A view
+    of another weight is left out (it shares its base's storage and version counter): packed experts' per-expert views
+    of their stacked bytes would otherwise add ~0.2 ms a step."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module, self._registrations, self._tensors = module, -1, []
+
+    def __call__(self) -> tuple[int, int]:
+        if self._registrations != _REGISTRATIONS[0]:
+            self._registrations = _REGISTRATIONS[0]
+            tensors = [*self.module.parameters(), *self.module.buffers()]
+            ids = {id(t) for t in tensors}
+            self._tensors = [t for t in tensors if t._base is None or id(t._base) not in ids]
+        return sum(t.data_ptr() for t in self._tensors), sum(t._version for t in self._tensors)
+
+
 class CompiledStep:
     """``step(input_ids [B, T], state) -> (logits [B, V], state)``: what ``model.forward_groups([(input_ids,
     state)])[0]`` gives (logits within float reassociation, ~1e-5 relative in fp32), compiled once per shape key.
@@ -126,7 +145,7 @@ class CompiledStep:
         self.cache_hits = 0  # of the compilations, graphs loaded from an on-disk cache (inductor's, or `GraphFiles`)
         self.compile_seconds: dict[tuple, float] = {}  # shape key -> seconds of the call that compiled it
         self._warm: set[tuple] = set()
-        self._registrations, self._tensors = -1, []
+        self._weights_version = WeightsVersion(model)
         self._weights = self._weights_version()
         self._digest: tuple[tuple[int, int] | None, str] = (None, "")  # (`_weights` then, `weights_digest`)
         self._graphs: dict[tuple, Callable] = {}  # precompiled: the graph of each shape key
@@ -171,19 +190,6 @@ class CompiledStep:
         if self._digest[0] != self._weights:
             self._digest = (self._weights, weights_digest(self.model))
         return self._digest[1]
-
-    def _weights_version(self) -> tuple[int, int]:
-        """Where the weights live and how often they were written (what frozen graphs hold as constants). The list
-        of weights is gathered again only after a module anywhere (re)registered a parameter or buffer: walking the
-        module tree on every step cost ~0.7 ms, a fifth of a compiled decode step of ``small``. A view of another
-        weight is left out (it shares its base's storage and version counter): packed experts' per-expert views of
-        their stacked bytes would otherwise add ~0.2 ms a step."""
-        if self._registrations != _REGISTRATIONS[0]:
-            self._registrations = _REGISTRATIONS[0]
-            tensors = [*self.model.parameters(), *self.model.buffers()]
-            ids = {id(t) for t in tensors}
-            self._tensors = [t for t in tensors if t._base is None or id(t._base) not in ids]
-        return sum(t.data_ptr() for t in self._tensors), sum(t._version for t in self._tensors)
 
     @torch.no_grad()
     def __call__(self, input_ids: Tensor, state: DecoderState) -> tuple[Tensor, DecoderState]:

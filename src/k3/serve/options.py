@@ -111,6 +111,7 @@ class EngineOptions:
     prompt_lookup_max: int | None = None  # --prompt-lookup-max (None: `NGramDrafter`'s default, at least the min)
     always_draft: bool = False  # --always-draft
     compile: bool = False  # --compile
+    compile_packages: bool = False  # --compile-packages
     prefix_cache: bool = True  # not --no-prefix-cache
     prefix_cache_gb: float = 1.0  # --prefix-cache-gb
     cache_block_tokens: int = 64  # --cache-block-tokens
@@ -120,8 +121,10 @@ class EngineOptions:
     grammar_cache_mb: float = 256.0  # --grammar-cache-mb
 
     def __post_init__(self) -> None:
-        """Refuses lookup bounds without ``--draft ngram``, out of order or past `MAX_LOOKUP` (before any model is
-        loaded)."""
+        """Refuses ``--compile-packages`` without ``--compile``, and lookup bounds without ``--draft ngram``, out of
+        order or past `MAX_LOOKUP` (before any model is loaded)."""
+        if self.compile_packages and not self.compile:
+            raise ValueError("--compile-packages: only with --compile")
         if self.draft != "ngram":
             if (self.prompt_lookup_min, self.prompt_lookup_max) != (None, None):
                 raise ValueError("--prompt-lookup-min/--prompt-lookup-max: only with --draft ngram")
@@ -170,6 +173,10 @@ class EngineOptions:
                             "64/16/4/1-token pieces (one compilation each, kept in inductor's on-disk cache: k3 serve "
                             "builds them all in the background while it serves eagerly, for batches up to "
                             "--max-batch; k3 chat on first use)")
+        parser.add_argument("--compile-packages", action="store_true", help="with --compile: the tuned decode and "
+                            "verification graphs as AOTInductor packages kept in ~/.cache/k3/packages, which a later "
+                            "start with the same weights loads in seconds instead of compiling (each package holds a "
+                            "copy of the weights: about the checkpoint's size per graph)")
         parser.add_argument("--grammar-cache-mb", type=positive(float, zero=True), default=cls.grammar_cache_mb,
                             help="MiB of compiled structured-output grammars kept for reuse (default %(default)s)")
         cache = parser.add_argument_group("prefix cache (README, 'Prefix cache')")
@@ -216,6 +223,7 @@ class EngineOptions:
 
     def build(self, model: Any, tokenizer: Any) -> Engine:
         """The `Engine` over ``model`` with these options: its prefix cache, drafter and compiled graphs."""
+        from k3.model.compiled import CompiledModel
         from k3.serve.engine import Engine
         from k3.serve.engine.cache import PrefixCache
         from k3.serve.engine.structured import Grammars
@@ -227,7 +235,7 @@ class EngineOptions:
         return Engine(model, tokenizer, max_model_len=self.max_model_len, max_batch=self.max_batch,
                       prefill_chunk=self.prefill_chunk, prefix_cache=cache, drafter=self.drafter(model),
                       num_draft_tokens=self.num_draft_tokens, adaptive_draft=not self.always_draft,
-                      compile=self.compile,
+                      compile=CompiledModel(model, packaged=True) if self.compile_packages else self.compile,
                       grammars=Grammars(tokenizer, int(self.grammar_cache_mb * 2**20)), **queue)
 
     def drafter(self, target: Any) -> Any:

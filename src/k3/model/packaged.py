@@ -1,0 +1,243 @@
+"""Packaged tuned steps (issue 37): a tuned step that a later process loads in seconds, through AOTInductor.
+
+A tuned `k3.model.compiled_step.CompiledStep` graph (frozen weights, inductor's C++ GEMM templates) is compiled again
+by every process: inductor will not cache it (~60–100 s a graph). A *packaged* step is the same function
+(`k3.model.precompiled.forward_step` or ``forward_replayed``) exported with ``torch.export`` and compiled ahead of
+time by AOTInductor under the same tuned options (`tuned_options`, inside `fused`): one ``.pt2`` package per shape
+key holding the kernels and the frozen weights, which ``aoti_load_package`` loads in ~2 s. The call is one C++
+function on the flat tensors of the state (`flat_state`), without dynamo's frame evaluation and guards: on `mini`'s
+decode step at batch 1 (1 thread) 0.27 ms, against 0.55 ms for the traced tuned graph and 4.5 ms eager.
+
+The state enters as `MLASlots` (the package writes the new MLA entries into their storage, as the traced graph
+does; their length and capacity are dynamic dimensions, within one side of `CASCADE_SUM` as `cached` keys them),
+KDA states, the depth sources and the padding; it returns the logits, the KDA states, the depth sources and, for a
+verification, each KDA layer's `KDAReplay` and the run's depth sources. The MLA caches after the step are views of
+their storage, made here. The features a drafter captures (`K3ForCausalLM.capture`) are outputs of the package, set
+on the layers after the call as an eager step sets them.
+
+Packages are kept under ``~/.cache/k3/packages/<layout>/<weights>/`` (`layout_digest`: the config, the source, torch,
+the CPU; `weights_digest`: the values frozen in), one file per shape key (batch, tokens, cache side, dtypes, features
+kept, thread count: the kernels' OpenMP width is fixed at compilation), so a package is only ever loaded for the
+weights and the machine it was built for. A file that is not a regular file, exceeds `DATA_LIMIT`, or does not load
+is compiled again (with a warning for the last).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import os
+import time
+import warnings
+from dataclasses import fields, replace
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from k3.files import DATA_LIMIT, user_cache
+from k3.model.compiled_step import CASCADE_SUM, WeightsVersion, cached, tuned_options
+from k3.model.graph_inputs import cache_slots, canonical
+from k3.model.lm import K3ForCausalLM
+from k3.model.packed import PackedExperts
+from k3.model.precompiled import forward_replayed, forward_step, layout_digest, weights_digest
+from k3.model.projections import fused
+from k3.model.sequence.kda import KDAReplay, KDAState
+from k3.model.sequence.mla import MLACache, MLASlots
+from k3.model.state import DecoderState, Replay
+
+__all__ = ["PackagedStep", "flat_state"]
+
+_KDA = [f.name for f in fields(KDAState)]
+_REPLAY = [f.name for f in fields(KDAReplay)]
+
+
+def flat_state(state: DecoderState, slots: list) -> list[Tensor]:
+    """The tensors a package takes for ``state`` whose layers are ``slots`` (`cache_slots`): per layer the MLA slots'
+    storages and length carrier, or the KDA state's tensors (contiguous); then the depth sources and padding."""
+    leaves: list[Tensor] = []
+    for layer in slots:
+        if isinstance(layer, MLASlots):
+            leaves += [layer.latent_storage, layer.key_storage, layer.filled]
+        else:
+            leaves += [getattr(layer, name).contiguous() for name in _KDA]
+    return leaves + [state.depth.contiguous(), state.padding.contiguous()]
+
+
+class _Exported(torch.nn.Module):
+    """The step as a module of flat tensors (what ``torch.export`` takes): rebuilds the state from ``leaves`` in the
+    layer kinds of ``kinds`` ("mla" / "kda") and flattens what the step returns."""
+
+    def __init__(self, model: K3ForCausalLM, kinds: list[str], replayed: bool) -> None:
+        super().__init__()
+        self.model, self.kinds, self.replayed = model, kinds, replayed
+
+    def forward(self, input_ids: Tensor, leaves: list[Tensor]) -> tuple[Tensor, ...]:
+        layers, i = [], 0
+        for kind in self.kinds:
+            if kind == "mla":
+                layers.append(MLASlots(*leaves[i:i + 3]))
+                i += 3
+            else:
+                layers.append(KDAState(*leaves[i:i + len(_KDA)]))
+                i += len(_KDA)
+        state = DecoderState(layers, leaves[i], 0, leaves[i + 1])
+        logits, after = (forward_replayed if self.replayed else forward_step)(self.model, input_ids, state)
+        out = [logits, after.depth]
+        out += [layer.captured for layer in self.model.layers if layer.capture is not None]
+        out += [getattr(layer, name) for layer in after.layers if isinstance(layer, KDAState) for name in _KDA]
+        if self.replayed:
+            out.append(after.replay.depth)
+            out += [getattr(record, name) for record in after.replay.kda if record is not None for name in _REPLAY]
+        return tuple(out)
+
+
+def _sharing_weights(model: K3ForCausalLM) -> K3ForCausalLM:
+    """A copy of ``model``'s modules over the same weight tensors: what export traces. Export swaps the traced
+    module's weights for fake tensors while it traces, so tracing ``model`` itself made a step that ran meanwhile on
+    another thread (serving, while packages are built in the background) read fake weights."""
+    return copy.deepcopy(model, memo={id(t): t for t in [*model.parameters(), *model.buffers()]})
+
+
+class PackagedStep:
+    """``step(input_ids [B, T], state) -> (logits, state)`` as `CompiledStep`'s tuned step gives it (``replayed``: a
+    verification, every position's logits and a `Replay`), on AOTInductor packages loaded from ``directory`` (default
+    under ``~/.cache/k3/packages``) or compiled and saved there. ``compilations`` counts the packages built or loaded,
+    ``cache_hits`` those loaded."""
+
+    def __init__(self, model: K3ForCausalLM, replayed: bool = False, directory: Path | None = None,
+                 tuned: bool = True) -> None:
+        """``tuned=False``: freezing alone (inductor's default products; builds faster, for tests)."""
+        if any(isinstance(module, PackedExperts) for module in model.modules()):
+            raise ValueError("packaged steps: packed MXFP4 experts run as a Python operator (`k3::mxfp4_experts`), "
+                             "which a package does not call; use the traced steps (packaged=False)")
+        self.model, self.replayed, self.tuned = model, replayed, tuned
+        self.root = directory if directory is not None else user_cache("packages")
+        self.compilations = self.cache_hits = 0
+        self.compile_seconds: dict[tuple, float] = {}
+        self._packages: dict[tuple, object] = {}
+        self._version = WeightsVersion(model)
+        self._digests: tuple[tuple, str] | None = None  # (the weights' version, their directory)
+
+    def eager(self, input_ids: Tensor, state: DecoderState) -> tuple[Tensor, DecoderState]:
+        """The step unpackaged: the function its packages are exported from, run as it is."""
+        return (forward_replayed if self.replayed else forward_step)(self.model, input_ids, state)
+
+    def __call__(self, input_ids: Tensor, state: DecoderState) -> tuple[Tensor, DecoderState]:
+        if input_ids.dim() != 2 or input_ids.is_floating_point() or input_ids.shape[1] == 0:
+            raise ValueError(f"input_ids: a packaged step takes integer ids [B, T], got {input_ids.dtype} "
+                             f"{list(input_ids.shape)}")
+        if int(input_ids.min()) < 0 or int(input_ids.max()) >= self.model.config.vocab_size:
+            raise ValueError(f"input_ids: token ids must lie in [0, vocab_size={self.model.config.vocab_size})")
+        if state.batch_size != input_ids.shape[0] or state.replay is not None or state.padding is None \
+                or state.depth is None:
+            raise ValueError(f"state: expected a DecoderState of batch size {input_ids.shape[0]} with its depth "
+                             "sources and padding, without a replay")
+        tokens = input_ids.shape[1]
+        side = cached(state, tokens)
+        if side < 2:
+            raise ValueError("a packaged step needs a cache of 2 positions or more (`cached`)")
+        slots = cache_slots(state, tokens)
+        key = (*input_ids.shape, side, self.tuned, state.depth.dtype,
+               frozenset(layer.latent.dtype if isinstance(layer, MLACache) else layer.recurrent.dtype
+                         for layer in state.layers), torch.get_num_threads(),
+               tuple(layer.capture for layer in self.model.layers), self._weights())
+        package = self._packages.get(key)
+        leaves = flat_state(state, slots)
+        if package is None:
+            package = self._packages[key] = self._load_or_compile(key, input_ids, leaves, slots)
+        out = list(package(input_ids.contiguous(), leaves))
+        return out[0], self._state(state, slots, tokens, out[1:])
+
+    def _weights(self) -> str:
+        """The directory of the current weights' packages (hashed again only after a weight was written)."""
+        version = self._version()
+        if self._digests is None or self._digests[0] != version:
+            self._digests = (version, f"{layout_digest(self.model)}/{weights_digest(self.model)}")
+        return self._digests[1]
+
+    def _state(self, state: DecoderState, slots: list, tokens: int, out: list[Tensor]) -> DecoderState:
+        """The state after the step from the package's outputs (after the logits): the MLA caches as views of the
+        storage the package wrote into, tied to it as `CompiledStep` ties them."""
+        depth, out = out[0], out[1:]
+        for layer in self.model.layers:  # the features the step kept, as an eager step keeps them
+            if layer.capture is not None:
+                object.__setattr__(layer, "captured", out.pop(0))
+        layers = []
+        for layer in slots:
+            if isinstance(layer, MLASlots):
+                end = layer.length + tokens
+                view = MLACache(layer.latent_storage[:, :end], layer.key_storage[:, :end])
+                layers.append(layer.storage.advance(view) if layer.storage is not None else view)
+            else:
+                layers.append(KDAState(*out[:len(_KDA)]))
+                out = out[len(_KDA):]
+        replay = None
+        if self.replayed:
+            records: list[KDAReplay | None] = []
+            run_depth, out = out[0], out[1:]
+            for layer in slots:
+                if isinstance(layer, MLASlots):
+                    records.append(None)
+                else:
+                    records.append(KDAReplay(*out[:len(_REPLAY)]))
+                    out = out[len(_REPLAY):]
+            replay = Replay(state, records, run_depth)
+        return replace(state, layers=layers, depth=depth, position=state.position + tokens, replay=replay)
+
+    def _path(self, key: tuple) -> Path:
+        *shape, weights = key
+        parts = [sorted(map(str, p)) if isinstance(p, frozenset) else str(p) for p in shape]
+        name = hashlib.sha256(repr(parts).encode()).hexdigest()[:24]
+        return self.root / weights / f"{'replayed' if self.replayed else 'step'}-{name}.pt2"
+
+    def _load_or_compile(self, key: tuple, input_ids: Tensor, leaves: list[Tensor], slots: list):  # noqa: ANN202
+        """The package of ``key``: loaded from its file, else exported, compiled and saved (atomically)."""
+        start, path = time.perf_counter(), self._path(key)
+        package = self._load(path)
+        if package is None:
+            package = self._compile(path, key[2], input_ids, leaves, slots)
+        else:
+            self.cache_hits += 1
+        self.compilations += 1
+        self.compile_seconds[tuple(key[:-1])] = time.perf_counter() - start
+        return package
+
+    @staticmethod
+    def _load(path: Path):  # noqa: ANN205
+        """The package at ``path``, or None where there is none (or it is not a regular file within `DATA_LIMIT`, or
+        does not load: a warning)."""
+        try:
+            if not path.is_file() or path.is_symlink() or path.stat().st_size > DATA_LIMIT:
+                return None
+            return torch._inductor.aoti_load_package(str(path))
+        except Exception as err:  # any failure to load means: compile it again
+            warnings.warn(f"packaged step {path} did not load ({err!r}); compiling it again", RuntimeWarning,
+                          stacklevel=3)
+            return None
+
+    def _compile(self, path: Path, side: int, input_ids: Tensor, leaves: list[Tensor], slots: list):  # noqa: ANN205
+        """Export the step with its MLA caches' lengths and capacities dynamic (within ``side``), compile it with the
+        tuned options, save it at ``path`` and load it."""
+        tokens = input_ids.shape[1]
+        low, high = (2, CASCADE_SUM - tokens) if side == 2 else (CASCADE_SUM - tokens + 1, 2**30)
+        length, capacity = torch.export.Dim.AUTO(min=low, max=high), torch.export.Dim.AUTO(min=low + tokens,
+                                                                                       max=2**31 - 2)
+        dynamic: list = []
+        for layer in slots:
+            mla = isinstance(layer, MLASlots)
+            dynamic += [{1: capacity}, {1: capacity}, {0: length}] if mla else [None] * len(_KDA)
+        kinds = ["mla" if isinstance(layer, MLASlots) else "kda" for layer in slots]
+        module = _Exported(_sharing_weights(self.model), kinds, self.replayed)
+        options = {k: v for k, v in tuned_options(self.model.device).items() if k != "cpp_wrapper"} \
+            if self.tuned else {"freezing": True}
+        with torch.no_grad(), fused(True), warnings.catch_warnings():
+            # the routers' statistics (`Router.last_load`, read by training only) are not kept by a package
+            warnings.filterwarnings("ignore", "The tensor attributes .* were assigned during export")
+            program = torch.export.export(module, (canonical(input_ids), leaves),
+                                          dynamic_shapes=(None, [*dynamic, None, None]), strict=False)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            partial = path.with_name(f"{path.stem}.{os.getpid()}.partial.pt2")
+            torch._inductor.aoti_compile_and_package(program, package_path=str(partial), inductor_configs=options)
+        partial.replace(path)
+        return torch._inductor.aoti_load_package(str(path))
