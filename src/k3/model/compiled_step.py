@@ -107,7 +107,7 @@ def _stack_packed(model: K3ForCausalLM) -> None:
 
 
 class WeightsVersion:
-    """``version()``: where a module's weights live and how often they were written (what frozen graphs hold as
+    """Called: where a module's weights live and how often they were written (what frozen graphs hold as
     constants). The list of weights is gathered again only after a module anywhere (re)registered a parameter or
     buffer: walking the module tree on every step cost ~0.7 ms, a fifth of a compiled decode step of ``small``. A view
     of another weight is left out (it shares its base's storage and version counter): packed experts' per-expert views

@@ -16,10 +16,10 @@ their storage, made here. The features a drafter captures (`K3ForCausalLM.captur
 on the layers after the call as an eager step sets them.
 
 Packages are kept under ``~/.cache/k3/packages/<layout>/<weights>/`` (`layout_digest`: the config, the source, torch,
-the CPU; `weights_digest`: the values frozen in), one file per shape key (batch, tokens, cache side, dtypes, features
-kept, thread count: the kernels' OpenMP width is fixed at compilation), so a package is only ever loaded for the
-weights and the machine it was built for. A file that is not a regular file, exceeds `DATA_LIMIT`, or does not load
-is compiled again (with a warning for the last).
+the CPU; `weights_digest`: the values frozen in), one file per shape key (batch, tokens, cache side, dtypes, train
+or eval mode, features kept, thread count: the kernels' OpenMP width is fixed at compilation), so a package is only
+ever loaded for the weights and the machine it was built for. A file that is not a regular file, exceeds
+`DATA_LIMIT`, or does not load is compiled again (with a warning for the last).
 """
 
 from __future__ import annotations
@@ -141,7 +141,7 @@ class PackagedStep:
         key = (*input_ids.shape, side, self.tuned, state.depth.dtype,
                frozenset(layer.latent.dtype if isinstance(layer, MLACache) else layer.recurrent.dtype
                          for layer in state.layers), torch.get_num_threads(),
-               tuple(layer.capture for layer in self.model.layers), self._weights())
+               self.model.training, tuple(layer.capture for layer in self.model.layers), self._weights())
         package = self._packages.get(key)
         leaves = flat_state(state, slots)
         if package is None:
