@@ -25,7 +25,6 @@ ever loaded for the weights and the machine it was built for. A file that is not
 from __future__ import annotations
 
 import copy
-import hashlib
 import os
 import time
 import warnings
@@ -40,7 +39,7 @@ from k3.model.compiled_step import CASCADE_SUM, WeightsVersion, cached, tuned_op
 from k3.model.graph_inputs import cache_slots, canonical
 from k3.model.lm import K3ForCausalLM
 from k3.model.packed import PackedExperts
-from k3.model.precompiled import forward_replayed, forward_step, layout_digest, weights_digest
+from k3.model.precompiled import forward_replayed, forward_step, key_name, layout_digest, weights_digest
 from k3.model.projections import fused
 from k3.model.sequence.kda import KDAReplay, KDAState
 from k3.model.sequence.mla import MLACache, MLASlots
@@ -168,7 +167,7 @@ class PackagedStep:
             if isinstance(layer, MLASlots):
                 end = layer.length + tokens
                 view = MLACache(layer.latent_storage[:, :end], layer.key_storage[:, :end])
-                layers.append(layer.storage.advance(view) if layer.storage is not None else view)
+                layers.append(layer.storage.advance(view))
             else:
                 layers.append(KDAState(*out[:len(_KDA)]))
                 out = out[len(_KDA):]
@@ -187,9 +186,7 @@ class PackagedStep:
 
     def _path(self, key: tuple) -> Path:
         *shape, weights = key
-        parts = [sorted(map(str, p)) if isinstance(p, frozenset) else str(p) for p in shape]
-        name = hashlib.sha256(repr(parts).encode()).hexdigest()[:24]
-        return self.root / weights / f"{'replayed' if self.replayed else 'step'}-{name}.pt2"
+        return self.root / weights / f"{'replayed' if self.replayed else 'step'}-{key_name(tuple(shape))}.pt2"
 
     def _load_or_compile(self, key: tuple, input_ids: Tensor, leaves: list[Tensor], slots: list):  # noqa: ANN202
         """The package of ``key``: loaded from its file, else exported, compiled and saved (atomically)."""

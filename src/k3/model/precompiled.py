@@ -35,7 +35,7 @@ from k3.model.lm import K3ForCausalLM
 from k3.model.state import DecoderState
 from k3.ops.mxfp4_kernel import cpu_flags
 
-__all__ = ["GraphFiles", "layout_digest", "weights_digest"]
+__all__ = ["GraphFiles", "key_name", "layout_digest", "weights_digest"]
 
 _PACKAGE = Path(__file__).resolve().parents[1]  # the k3 package: its source is part of every graph's key
 
@@ -63,6 +63,12 @@ def weights_digest(model: torch.nn.Module) -> str:
     return digest.hexdigest()[:24]
 
 
+def key_name(key: tuple) -> str:
+    """A file name for a step's shape key (sets written in sorted order)."""
+    parts = [sorted(map(str, part)) if isinstance(part, frozenset) else part for part in key]
+    return hashlib.sha256(repr(parts).encode()).hexdigest()[:24]
+
+
 def forward_step(model: K3ForCausalLM, input_ids: Tensor, state: DecoderState
                  ) -> tuple[Tensor, DecoderState]:
     """The traced function of a step: each row's last-position logits ``[B, V]`` and the state."""
@@ -86,8 +92,7 @@ class GraphFiles:
 
     def path(self, kind: str, key: tuple) -> Path:
         """The file of the ``kind`` ("step" or "replayed") graph of shape ``key`` (sets written in sorted order)."""
-        parts = [sorted(map(str, part)) if isinstance(part, frozenset) else part for part in key]
-        return self.directory / f"{kind}-{hashlib.sha256(repr(parts).encode()).hexdigest()[:24]}.pt2"
+        return self.directory / f"{kind}-{key_name(key)}.pt2"
 
     def load(self, path: Path) -> Callable | None:
         """The graph saved at ``path``, or None when there is none; a file that does not load (a torch upgrade the
