@@ -119,47 +119,44 @@ def test_compiled_decode_of_a_qat_model_equals_eager():
 
 
 @pytest.mark.slow
-def test_k3_generate_compile_gives_the_eager_text_and_loads_graphs_only_where_they_pay(tmp_path):
-    """A first `k3 generate --compile` compiles the graphs, a second loads them and records what that cost
-    (`k3.model.payoff.Record`); a later run decodes eagerly, importing no compiler, where the record says loading would
-    cost more than the run's tokens save, and loads the graphs where it pays (and records again). Every run's text is
-    the eager run's."""
+def test_k3_generate_compile_gives_the_eager_text_and_loads_packages_only_where_they_pay(tmp_path):
+    """A first `k3 generate --compile` compiles the packaged decode step, a second loads it — importing neither
+    dynamo nor inductor — and records what that cost (`k3.model.payoff.Record`); a later run decodes eagerly where
+    the record says loading would cost more than the run's tokens save, and loads the package where it pays (and
+    records again). Every run's text is the eager run's."""
     from k3.model.checkpoint import save_model
     from k3.model.payoff import Record
 
     save_model(tmp_path / "ckpt", serving.model(), serving.tokenizer())
     command = [sys.executable, "-c", "import sys; from k3.cli import main; rc = main(sys.argv[1:]); "
-               "print('inductor imported:', 'torch._inductor' in sys.modules); sys.exit(rc)",
-               "generate", "--ckpt", str(tmp_path / "ckpt"), "--prompt", "def decode(self, s):", "--max-tokens",
-               "12", "--temperature", "0"]
+               "print('compiler imported:', {'torch._dynamo', 'torch._inductor'} & set(sys.modules) != set()); "
+               "sys.exit(rc)", "generate", "--ckpt", str(tmp_path / "ckpt"), "--prompt", "def decode(self, s):",
+               "--max-tokens", "12", "--temperature", "0"]
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
 
-    def run(*extra: str) -> subprocess.CompletedProcess:
+    def run(*extra: str, compiler: bool = False) -> tuple[str, str]:
         done = subprocess.run([*command, *extra], capture_output=True, text=True, timeout=600, env=env)
         assert done.returncode == 0, done.stderr[-2000:]
-        return done
+        assert f"compiler imported: {compiler}" in done.stdout
+        return done.stdout.replace(f"compiler imported: {compiler}", ""), done.stderr
 
-    eager, compiled = run(), run("--compile")
-    text = eager.stdout.replace("inductor imported: False", "")
-    assert "inductor imported: False" in eager.stdout  # --compile absent: no compiler import cost
-    assert compiled.stdout.replace("inductor imported: True", "") == text
-    assert "1 graphs, 0 of them loaded from the on-disk cache" in compiled.stderr
+    text, _ = run()
+    compiled, account = run("--compile", compiler=True)  # export and AOTInductor
+    assert compiled == text and "1 packages, 0 of them loaded from the on-disk cache" in account
     assert not list((tmp_path / "cache").rglob("payoff.json"))  # a compiling run has no load time to record
-    loaded = run("--compile")  # no record: load the graphs, and record
-    assert loaded.stdout.replace("inductor imported: True", "") == text
-    assert "1 graphs, 1 of them loaded from the on-disk cache" in loaded.stderr
+    loaded, account = run("--compile")  # no record: load the package, and record
+    assert loaded == text and "1 packages, 1 of them loaded from the on-disk cache" in account
+    assert "9 steps compiled, 3 eager" in account  # 12 tokens: the prompt, 3 eager steps, then 8 + the last
     (path,) = (tmp_path / "cache").rglob("payoff.json")
     (threads, _), = json.loads(path.read_text()).items()
     assert Record.read(path.parent, int(threads)) is not None
-    Record(1e9, 1e-3).write(path.parent, int(threads))  # loading the graphs would never pay
-    slow_load = run("--compile")
-    assert slow_load.stdout.replace("inductor imported: False", "") == text
-    assert "decoded eagerly" in slow_load.stderr
-    Record(1e-9, 1e-9).write(path.parent, int(threads))  # loading them always pays
-    fast_load = run("--compile")
-    assert fast_load.stdout.replace("inductor imported: True", "") == text
-    assert "1 graphs, 1 of them loaded from the on-disk cache" in fast_load.stderr
-    assert Record.read(path.parent, int(threads)).load_s > 1e-3  # the load just measured
+    Record(1e9, 1e-3).write(path.parent, int(threads))  # loading the package would never pay
+    slow_load, account = run("--compile")
+    assert slow_load == text and "decoded eagerly" in account
+    Record(1e-9, 1e-9).write(path.parent, int(threads))  # loading it always pays
+    fast_load, account = run("--compile")
+    assert fast_load == text and "1 packages, 1 of them loaded from the on-disk cache" in account
+    assert Record.read(path.parent, int(threads)).load_s > 1e-6  # the load just measured
 
 
 def test_engine_compiled_gives_eager_tokens_in_mixed_steps_with_a_graph_per_bucket(tok):

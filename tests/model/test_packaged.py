@@ -5,16 +5,18 @@ weights; an engine speculating on them gives plain eager decoding's tokens."""
 
 from __future__ import annotations
 
+import os
 from contextlib import nullcontext
 from dataclasses import fields
 
+import pytest
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
 import serving
 from compiled_steps import LOGIT_TOLERANCE
 from k3.model.compiled import CompiledModel
-from k3.model.packaged import PackagedStep
+from k3.model.packaged import PackagedStep, bound, kept_bytes
 from k3.model.sequence.mla import MLACache
 from k3.model.state import DecoderState
 from k3.serve.engine import Engine, SamplingParams
@@ -77,9 +79,12 @@ def test_packaged_decode_and_verification_equal_the_eager_step_and_load_for_the_
                         assert _states_close(row, row_eager) < 1e-4
             assert (step.compilations, step.cache_hits) == (1, 0)
             again = PackagedStep(model, replayed=replayed, directory=tmp_path, tuned=False)
+            for saved in tmp_path.glob("*/*/*.pt2"):  # a load renews the file's time (`bound` removes the oldest)
+                os.utime(saved, (0, 0))
             with model.capture([0, len(model.layers) - 1], "blocks") if replayed else nullcontext():
                 assert (again(nxt[:, :tokens], state)[0] - expected).abs().max().item() < LOGIT_TOLERANCE
             assert (again.compilations, again.cache_hits) == (1, 1)
+            assert [f.stat().st_mtime > 0 for f in tmp_path.glob("*/*/*.pt2")].count(True) == 1
         model.lm_head.weight.mul_(-1.0)
         try:
             expected = model.forward_groups([(nxt[:, :1], state)])[0][0]
@@ -127,3 +132,41 @@ def test_an_engine_speculating_on_packaged_steps_gives_plain_eager_decodings_tok
     assert compiled.compilations == 2 and compiled.graph_calls > 0
     _, second = engine()
     assert (second.compilations, second.cache_hits) == (2, 2)
+
+
+def test_bound_removes_the_least_recently_used_packages_but_the_one_just_saved(tmp_path):
+    """Packages beyond the limit go oldest first (by modification time, which a load renews); the package just saved
+    stays even when it is the oldest or alone exceeds the limit; partial files, links and records are not packages."""
+    def package(where: str, size: int, when: float) -> object:
+        path = tmp_path / where
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"\0" * size)
+        os.utime(path, (when, when))
+        return path
+
+    saved = package("layout/w1/step-a.pt2", 100, 1)
+    older, newer = package("layout/w1/step-b.pt2", 100, 2), package("layout/w2/replayed-c.pt2", 100, 3)
+    partial = package("layout/w2/step-d.123.partial.pt2", 10_000, 0)
+    record = package("layout/payoff.json", 10_000, 0)
+    (tmp_path / "layout/w2/step-e.pt2").symlink_to(older)
+    assert bound(tmp_path, saved, 300) == []
+    assert bound(tmp_path, saved, 250) == [older]
+    assert bound(tmp_path, saved, 0) == [newer]
+    assert saved.exists() and partial.exists() and record.exists()
+    assert bound(tmp_path, saved, 0) == []
+
+
+@pytest.mark.parametrize("text, expected", [(None, 8 * 2**30), ("0.5", 2**29), ("0", 0)])
+def test_the_packages_kept_are_bounded_by_k3_packages_gb(monkeypatch, text, expected):
+    if text is None:
+        monkeypatch.delenv("K3_PACKAGES_GB", raising=False)
+    else:
+        monkeypatch.setenv("K3_PACKAGES_GB", text)
+    assert kept_bytes() == expected
+
+
+@pytest.mark.parametrize("text", ["-1", "nan", "inf", "8GB", ""])
+def test_an_unusable_k3_packages_gb_is_refused_by_name(monkeypatch, text):
+    monkeypatch.setenv("K3_PACKAGES_GB", text)
+    with pytest.raises(ValueError, match="K3_PACKAGES_GB"):
+        kept_bytes()

@@ -47,3 +47,19 @@ def test_a_record_that_is_not_a_regular_small_file_is_not_read(tmp_path):
 ])
 def test_the_graphs_pay_when_load_and_compiled_steps_beat_eager_steps(tokens, eager_s, pays):
     assert Record(load_s=2.0, step_s=0.0146).pays(tokens, eager_s) is pays
+
+
+def test_k3_generate_compile_decodes_a_model_with_packed_experts_on_precompiled_graphs(tmp_path, monkeypatch):
+    """Packages refuse packed MXFP4 experts (a Python operator), so their runs keep the record of the precompiled
+    graphs; other models the record beside their packages."""
+    from k3 import K3ForCausalLM
+    from k3.config import preset
+    from k3.model.payoff import PayingStep
+    from k3.model.quantize import pack_model
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    model = K3ForCausalLM(preset("tiny")).eval()
+    step = PayingStep(model, 10, lambda compiled: [])
+    assert step.packaged and step.directory.parent == tmp_path / "k3" / "packages"
+    step = PayingStep(pack_model(model), 10, lambda compiled: [])
+    assert not step.packaged and step.directory.parent == tmp_path / "k3" / "graphs"

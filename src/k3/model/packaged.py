@@ -4,7 +4,8 @@ A tuned `k3.model.compiled_step.CompiledStep` graph (frozen weights, inductor's 
 by every process: inductor will not cache it (~60–100 s a graph). A *packaged* step is the same function
 (`k3.model.precompiled.forward_step` or ``forward_replayed``) exported with ``torch.export`` and compiled ahead of
 time by AOTInductor under the same tuned options (`tuned_options`, inside `fused`): one ``.pt2`` package per shape
-key holding the kernels and the frozen weights, which ``aoti_load_package`` loads in ~2 s. The call is one C++
+key holding the kernels and the frozen weights, which AOTInductor's C++ loader loads in well under a second
+(`small`'s 54-MB decode package: 0.05 s). The call is one C++
 function on the flat tensors of the state (`flat_state`), without dynamo's frame evaluation and guards: on `mini`'s
 decode step at batch 1 (1 thread) 0.27 ms, against 0.55 ms for the traced tuned graph and 4.5 ms eager.
 
@@ -19,13 +20,16 @@ Packages are kept under ``~/.cache/k3/packages/<layout>/<weights>/`` (`layout_di
 the CPU; `weights_digest`: the values frozen in), one file per shape key (batch, tokens, cache side, dtypes, train
 or eval mode, features kept, thread count: the kernels' OpenMP width is fixed at compilation), so a package is only
 ever loaded for the weights and the machine it was built for. A file that is not a regular file, exceeds
-`DATA_LIMIT`, or does not load is compiled again (with a warning for the last).
+`DATA_LIMIT` beyond twice the weights' bytes, or does not load is compiled again (with a warning for the last).
+Each package holds a copy of the weights, so the directory is bounded: saving one removes the least recently used
+others beyond ``$K3_PACKAGES_GB`` GiB (default 8, `bound`).
 """
 
 from __future__ import annotations
 
 import copy
 import os
+import stat
 import time
 import warnings
 from dataclasses import fields, replace
@@ -45,7 +49,9 @@ from k3.model.sequence.kda import KDAReplay, KDAState
 from k3.model.sequence.mla import MLACache, MLASlots
 from k3.model.state import DecoderState, Replay
 
-__all__ = ["PackagedStep", "flat_state"]
+__all__ = ["PackagedStep", "bound", "flat_state", "kept_bytes"]
+
+_KEPT_GB = 8.0  # default of K3_PACKAGES_GB
 
 _KDA = [f.name for f in fields(KDAState)]
 _REPLAY = [f.name for f in fields(KDAReplay)]
@@ -91,6 +97,45 @@ class _Exported(torch.nn.Module):
         return tuple(out)
 
 
+def kept_bytes() -> int:
+    """The most bytes of packages kept under the packages directory: ``$K3_PACKAGES_GB`` GiB (default 8)."""
+    text = os.environ.get("K3_PACKAGES_GB", str(_KEPT_GB))
+    try:
+        gib = float(text)
+    except ValueError:
+        gib = float("nan")
+    if not 0 <= gib < float("inf"):
+        raise ValueError(f"K3_PACKAGES_GB: a number of GiB >= 0, got {text!r}")
+    return int(gib * 2**30)
+
+
+def bound(root: Path, keep: Path, limit: int) -> list[Path]:
+    """Remove the least recently used packages under ``root`` (``<layout>/<weights>/*.pt2`` by modification time,
+    which a load renews; partial files being written are neither counted nor removed) until those left take at most
+    ``limit`` bytes; ``keep``, the package just saved, stays. Returns the paths removed."""
+    packages = []
+    for path in root.glob("*/*/*.pt2"):
+        try:
+            info = path.lstat()
+        except OSError:  # removed meanwhile by another process
+            continue
+        if stat.S_ISREG(info.st_mode) and ".partial." not in path.name:
+            packages.append((info.st_mtime, info.st_size, path))
+    total, removed = sum(size for _, size, _ in packages), []
+    for _, size, path in sorted(packages):
+        if total <= limit:
+            break
+        if path == keep:
+            continue
+        try:
+            path.unlink()
+        except OSError:
+            continue
+        total -= size
+        removed.append(path)
+    return removed
+
+
 def _sharing_weights(model: K3ForCausalLM) -> K3ForCausalLM:
     """A copy of ``model``'s modules over the same weight tensors: what export traces. Export swaps the traced
     module's weights for fake tensors while it traces, so tracing ``model`` itself made a step that ran meanwhile on
@@ -100,14 +145,14 @@ def _sharing_weights(model: K3ForCausalLM) -> K3ForCausalLM:
 
 class PackagedStep:
     """``step(input_ids [B, T], state) -> (logits, state)`` as `CompiledStep`'s tuned step gives it (``replayed``: a
-    verification, every position's logits and a `Replay`), on AOTInductor packages loaded from ``directory`` (default
-    under ``~/.cache/k3/packages``) or compiled and saved there. ``compilations`` counts the packages built or loaded,
-    ``cache_hits`` those loaded."""
+    verification, every position's logits and a `Replay`; an unpadded state runs as one padded by zeros), on
+    AOTInductor packages loaded from ``directory`` (default under ``~/.cache/k3/packages``) or compiled and saved
+    there. ``compilations`` counts the packages built or loaded, ``cache_hits`` those loaded."""
 
     def __init__(self, model: K3ForCausalLM, replayed: bool = False, directory: Path | None = None,
                  tuned: bool = True) -> None:
         """``tuned=False``: freezing alone (inductor's default products; builds faster, for tests)."""
-        if any(isinstance(module, PackedExperts) for module in model.modules()):
+        if not self.takes(model):
             raise ValueError("packaged steps: packed MXFP4 experts run as a Python operator (`k3::mxfp4_experts`), "
                              "which a package does not call; use the traced steps (packaged=False)")
         self.model, self.replayed, self.tuned = model, replayed, tuned
@@ -116,7 +161,20 @@ class PackagedStep:
         self.compile_seconds: dict[tuple, float] = {}
         self._packages: dict[tuple, object] = {}
         self._version = WeightsVersion(model)
+        # a package holds its kernels and a copy of the weights: a larger file is not one of ours
+        self._limit = DATA_LIMIT + 2 * sum(t.numel() * t.element_size() for t in [*model.parameters(),
+                                                                                  *model.buffers()])
         self._digests: tuple[tuple, str] | None = None  # (the weights' version, their directory)
+
+    @staticmethod
+    def takes(model: K3ForCausalLM) -> bool:
+        """Whether ``model``'s steps can be packaged (not with packed MXFP4 experts)."""
+        return not any(isinstance(module, PackedExperts) for module in model.modules())
+
+    @staticmethod
+    def layout_directory(layout: str, root: Path | None = None) -> Path:
+        """Where the packages of every weights of the layout ``layout`` (`layout_digest`) are kept."""
+        return (root if root is not None else user_cache("packages")) / layout
 
     def eager(self, input_ids: Tensor, state: DecoderState) -> tuple[Tensor, DecoderState]:
         """The step unpackaged: the function its packages are exported from, run as it is."""
@@ -128,10 +186,12 @@ class PackagedStep:
                              f"{list(input_ids.shape)}")
         if int(input_ids.min()) < 0 or int(input_ids.max()) >= self.model.config.vocab_size:
             raise ValueError(f"input_ids: token ids must lie in [0, vocab_size={self.model.config.vocab_size})")
-        if state.batch_size != input_ids.shape[0] or state.replay is not None or state.padding is None \
-                or state.depth is None:
+        if state.batch_size != input_ids.shape[0] or state.replay is not None or state.depth is None:
             raise ValueError(f"state: expected a DecoderState of batch size {input_ids.shape[0]} with its depth "
-                             "sources and padding, without a replay")
+                             "sources, without a replay")
+        if state.padding is None:  # runs as a state padded by zeros (the same attention), and is returned unpadded
+            logits, after = self(input_ids, replace(state, padding=state.row_padding()))
+            return logits, replace(after, padding=None)
         tokens = input_ids.shape[1]
         side = cached(state, tokens)
         if side < 2:
@@ -145,7 +205,7 @@ class PackagedStep:
         leaves = flat_state(state, slots)
         if package is None:
             package = self._packages[key] = self._load_or_compile(key, input_ids, leaves, slots)
-        out = list(package(input_ids.contiguous(), leaves))
+        out = package.boxed_run([input_ids.contiguous(), *leaves])
         return out[0], self._state(state, slots, tokens, out[1:])
 
     def _weights(self) -> str:
@@ -200,18 +260,22 @@ class PackagedStep:
         self.compile_seconds[tuple(key[:-1])] = time.perf_counter() - start
         return package
 
-    @staticmethod
-    def _load(path: Path):  # noqa: ANN205
+    def _load(self, path: Path):  # noqa: ANN202
         """The package at ``path``, or None where there is none (or it is not a regular file within `DATA_LIMIT`, or
         does not load: a warning)."""
         try:
-            if not path.is_file() or path.is_symlink() or path.stat().st_size > DATA_LIMIT:
+            if not path.is_file() or path.is_symlink() or path.stat().st_size > self._limit:
                 return None
-            return torch._inductor.aoti_load_package(str(path))
+            runner = self._runner(path)
         except Exception as err:  # any failure to load means: compile it again
             warnings.warn(f"packaged step {path} did not load ({err!r}); compiling it again", RuntimeWarning,
                           stacklevel=3)
             return None
+        try:
+            os.utime(path)  # used now: the last to be removed by `bound`
+        except OSError:  # a read-only cache
+            pass
+        return runner
 
     def _compile(self, path: Path, side: int, input_ids: Tensor, leaves: list[Tensor], slots: list):  # noqa: ANN205
         """Export the step with its MLA caches' lengths and capacities dynamic (within ``side``), compile it with the
@@ -237,4 +301,12 @@ class PackagedStep:
             partial = path.with_name(f"{path.stem}.{os.getpid()}.partial.pt2")
             torch._inductor.aoti_compile_and_package(program, package_path=str(partial), inductor_configs=options)
         partial.replace(path)
-        return torch._inductor.aoti_load_package(str(path))
+        bound(self.root, path, kept_bytes())
+        return self._runner(path)
+
+    def _runner(self, path: Path):  # noqa: ANN202
+        """The package's runner, whose ``boxed_run`` takes and returns the flat tensors. Made by AOTInductor's C++
+        loader directly: ``aoti_load_package`` imports inductor (~1–2 s of a process's start, a third of `small`'s
+        200-token ``k3 generate``) and its wrapper parses the package's call spec at every call."""
+        index = self.model.device.index  # None: the current device (-1)
+        return torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1 if index is None else index)

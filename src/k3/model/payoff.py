@@ -1,14 +1,15 @@
 """Compiled decoding only where it pays (issue 37): `k3 generate --compile` is never slower than eager once a run
 on the machine has loaded its graphs.
 
-Precompiled graphs (`k3.model.precompiled`) make a decode step 2–3× faster, but loading them costs a fixed time ``L``
-(importing dynamo and inductor, loading the graph's kernels: ~2.7 s for ``small`` and for d=1024 on 2 cores,
-``benchmarks/startup.py``). For a run of ``n`` more tokens they pay when ``L + n·c < n·e``, ``c`` and ``e`` being a
-compiled and an eager step. `PayingStep` times the run's own first `EAGER_STEPS` decode steps eagerly (they are
-tokens of the run, not a probe) for ``e``, and reads ``L`` and ``c`` from the last run that loaded the graphs of this
-layout (`Record`: ``payoff.json`` beside the graphs, one entry per thread count). Without a record it loads the
-graphs (or compiles them, on a first run) as before; a run that loaded them leaves a record, and a run that decides
-for eager says why.
+A compiled decode step is 2–5× faster than an eager one, but loading it costs a fixed time ``L``. For a run of ``n``
+more tokens it pays when ``L + n·c < n·e``, ``c`` and ``e`` being a compiled and an eager step. The step is the tuned
+decode step as an AOTInductor package (`k3.model.packaged`: frozen weights, loaded by a C++ loader in well under a
+second), or for a model the packages refuse (packed MXFP4 experts) the precompiled decode graph (`k3.model.precompiled`:
+~2.7 s to import dynamo and inductor and load the graph's kernels, ``benchmarks/startup.py``). `PayingStep` times
+the run's own first `EAGER_STEPS` decode steps eagerly (they are tokens of the run, not a probe) for ``e``, and reads
+``L`` and ``c`` from the last run that loaded this layout's step (`Record`: ``payoff.json`` beside the packages or
+graphs, one entry per thread count). Without a record it loads the step (or compiles it, on a first run) as before;
+a run that loaded it leaves a record, and a run that decides for eager says why.
 """
 
 from __future__ import annotations
@@ -83,25 +84,32 @@ def _entries(path: Path) -> dict:
 
 class PayingStep:
     """A `k3.generation.stream` step for one run of at most ``max_tokens``: the prompt and the first `EAGER_STEPS`
-    decode steps eagerly, then — if the record says they pay for the rest (or there is no record) — the precompiled
-    decode graph of ``families`` (`CompiledModel.precompile`), else eagerly to the end.
+    decode steps eagerly, then — if the record says they pay for the rest (or there is no record) — the packaged
+    tuned decode step (`k3.model.packaged.PackagedStep`, loaded at its first call, without importing dynamo or
+    inductor; ``packaged=False`` or a model with packed experts: the precompiled decode graph of ``families``,
+    `CompiledModel.precompile`), else eagerly to the end.
 
     A step's time is from its start to the next step's start (sampling included, and on an accelerator the wait
-    for the step's results, which the sampler's read of the token makes)."""
+    for the step's results, which the sampler's read of the token makes). A packaged run's load time is its first
+    compiled step's (the package loaded, or compiled on a first run, and one step)."""
 
-    def __init__(self, model: K3ForCausalLM, max_tokens: int, families: Callable[[object], list[tuple]]) -> None:
-        from k3.model.precompiled import GraphFiles
+    def __init__(self, model: K3ForCausalLM, max_tokens: int, families: Callable[[object], list[tuple]],
+                 packaged: bool = True) -> None:
+        from k3.model.packaged import PackagedStep
+        from k3.model.precompiled import GraphFiles, layout_digest
 
         self.model, self.max_tokens, self.families = model, max_tokens, families
-        self.directory = GraphFiles(model).directory
+        self.packaged = packaged and PackagedStep.takes(model)
+        self.directory = PackagedStep.layout_directory(layout_digest(model)) if self.packaged \
+            else GraphFiles(model).directory
         self.threads = torch.get_num_threads()
         self.record = Record.read(self.directory, self.threads)
-        self.compiled = None  # the `CompiledModel`, once loaded
+        self.compiled = None  # the `PackagedStep` or `CompiledModel`, once chosen
         self.eager_s: list[float] = []  # the decode steps timed, eager and compiled
         self.compiled_s: list[float] = []
         self.load_s: float | None = None
         self.decided = False
-        self.steps = 0  # decode steps so far
+        self.steps = self.compiled_steps = 0  # decode steps so far, and of them those compiled
         self._last: float | None = None  # when the last decode step started
 
     def __call__(self, input_ids: Tensor, state: DecoderState) -> tuple[Tensor, DecoderState]:
@@ -109,13 +117,21 @@ class PayingStep:
             return self._eager(input_ids, state)
         now = time.perf_counter()
         if self._last is not None:
-            (self.eager_s if self.compiled is None else self.compiled_s).append(now - self._last)
+            if self.compiled is None:
+                self.eager_s.append(now - self._last)
+            elif self.load_s is None:  # a package's first step: its load
+                self.load_s = now - self._last
+            else:
+                self.compiled_s.append(now - self._last)
         if len(self.eager_s) >= EAGER_STEPS and not self.decided:
             self._decide()
             now = time.perf_counter()
         self._last = now
         self.steps += 1
-        return (self._eager if self.compiled is None else self.compiled.step)(input_ids, state)
+        if self.compiled is None:
+            return self._eager(input_ids, state)
+        self.compiled_steps += 1
+        return (self.compiled if self.packaged else self.compiled.step)(input_ids, state)
 
     def _eager(self, input_ids: Tensor, state: DecoderState) -> tuple[Tensor, DecoderState]:
         logits, state = self.model(input_ids, state=state)
@@ -126,15 +142,18 @@ class PayingStep:
         remaining = self.max_tokens - EAGER_STEPS
         if self.record is not None and not self.record.pays(remaining, min(self.eager_s)):
             return
+        if self.packaged:
+            from k3.model.packaged import PackagedStep
+
+            self.compiled = PackagedStep(self.model)
+            return
         from k3.model.compiled import CompiledModel
 
-        start = time.perf_counter()
         self.compiled = CompiledModel(self.model)
-        self.compiled.precompile(self.families(self.compiled))
-        self.load_s = time.perf_counter() - start
+        self.load_s = self.compiled.precompile(self.families(self.compiled))
 
     def finish(self) -> str:
-        """Record what this run measured (when it loaded every graph from disk) and say how it decoded."""
+        """Record what this run measured (when it loaded its compiled step from disk) and say how it decoded."""
         if self.compiled is None:
             if not self.decided:
                 return f"k3: --compile: the run ended within its first {EAGER_STEPS} eager steps (no graph loaded)"
@@ -143,11 +162,13 @@ class PayingStep:
                     f"than {self.max_tokens - EAGER_STEPS} tokens save ({record.step_s * 1e3:.1f} against "
                     f"{min(self.eager_s) * 1e3:.1f} ms a token; {Record.path(self.directory)})")
         c = self.compiled
-        if c.compilations == c.cache_hits and self.compiled_s:
+        if c.compilations == c.cache_hits and self.compiled_s and self.load_s is not None:
             try:
                 Record(self.load_s, statistics.median(self.compiled_s)).write(self.directory, self.threads)
             except OSError as err:  # a read-only cache: the next run decides without it
                 warnings.warn(f"k3: could not keep {Record.path(self.directory)} ({err})", RuntimeWarning,
                               stacklevel=2)
-        return (f"k3: {c.graph_calls} steps on compiled graphs, {self.steps - c.graph_calls} eager; {c.built} graphs, "
-                f"{c.cache_hits} of them loaded from the on-disk cache ({self.load_s:.1f} s)")
+        what, calls = ("packages", self.compiled_steps) if self.packaged else ("graphs", c.graph_calls)
+        load = "" if self.load_s is None else f" ({self.load_s:.1f} s)"
+        return (f"k3: {calls} steps compiled, {self.steps - calls} eager; {c.compilations} {what}, {c.cache_hits} of "
+                f"them loaded from the on-disk cache{load}")

@@ -205,10 +205,11 @@ class EngineOptions:
     @staticmethod
     def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
         """``k3 generate --compile`` (no engine: `k3.generation.stream` through `k3.model.payoff.PayingStep`)."""
-        parser.add_argument("--compile", action="store_true", help="decode through a precompiled torch.compile "
-                            "graph from ~/.cache/k3/graphs (~1 min to compile and save it on a first run), loaded "
-                            "after the first 3 tokens where the last load says it pays for the rest of the run; "
-                            "else decode eagerly")
+        parser.add_argument("--compile", action="store_true", help="decode through the tuned decode step as an "
+                            "AOTInductor package from ~/.cache/k3/packages (1-3 min to compile and save it on a first "
+                            "run; it holds a copy of the weights), loaded after the first 3 tokens where the last "
+                            "load says it pays for the rest of the run, else decode eagerly; a model with packed "
+                            "MXFP4 experts decodes through a precompiled graph from ~/.cache/k3/graphs instead")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> EngineOptions:
