@@ -14,11 +14,11 @@ and when every graph was (the tuned decode graph too, compiled on the server's g
 before listening, the previous behaviour); with ``--only packages``, ``--compile --compile-packages`` cold and warm
 alone (the tuned decode graph as an AOTInductor package, `k3.model.packaged`, which the warm start loads).
 
-Then ``k3 generate --compile`` of 200 greedy tokens as a whole process (import, load, graphs, decoding), beside the
-same command without ``--compile``: cold (empty caches), warm (the first warm run loads the graphs and records what
-that cost, `k3.model.payoff`), and warm again (that run loads them only where the record says they pay for its
-tokens), on ``small`` and on a wider model of the same depth (d=1024, 162M parameters, where a step costs what the
-start-up does not).
+Then ``k3 generate --compile`` of 200 greedy tokens as a whole process (import, load, compiled step, decoding),
+beside the same command without ``--compile``: cold (empty caches: the packaged tuned decode step is compiled), warm
+(the first warm run loads the package and records what that cost, `k3.model.payoff`), and warm again (that run loads
+it only where the record says it pays for its tokens), on ``small`` and on a wider model of the same depth (d=1024,
+162M parameters, where a step costs what the start-up does not).
 
     python benchmarks/startup.py              # ~30 min on 2 cores
 """

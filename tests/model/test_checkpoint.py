@@ -260,3 +260,30 @@ def test_save_model_refuses_a_tokenizer_load_model_cannot_read_back(tmp_path):
     with pytest.raises(ValueError, match="got KimiTokenizer .nothing was written."):
         model_ckpt.save_model(tmp_path / "ckpt", K3ForCausalLM(preset("tiny")), tokenizer)
     assert not (tmp_path / "ckpt").exists() and not list(tmp_path.glob(".*"))
+
+
+@pytest.mark.parametrize("gate", ["bounded", "softplus"])
+def test_load_model_builds_nothing_it_then_overwrites(tmp_path, gate):
+    """A float checkpoint loads like a packed one (`k3.model.packed.skeleton`): the model is made on the meta device
+    without initialising it (the random initialisation of d=1024, ~1 s, was thrown away), so loading draws no random
+    number and imports no compiler (meta's random kernels import dynamo), and the model holds the file's values."""
+    import dataclasses
+
+    import serving
+
+    cfg = preset("tiny")
+    cfg = dataclasses.replace(cfg, kda=dataclasses.replace(cfg.kda, gate=gate))
+    torch.manual_seed(1)
+    model = K3ForCausalLM(cfg).eval()
+    model_ckpt.save_model(tmp_path / "ckpt", model, serving.tokenizer())
+    code = ("import sys, torch; from pathlib import Path; from k3.model.checkpoint import load_model; "
+            "torch.manual_seed(0); model, _ = load_model(Path(sys.argv[1])); drawn = torch.rand(4); "
+            "torch.manual_seed(0); assert torch.equal(drawn, torch.rand(4)), 'loading drew random numbers'; "
+            "assert 'torch._dynamo' not in sys.modules, 'loading imported dynamo'; "
+            "torch.save(model.state_dict(), sys.argv[2])")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "ckpt"), str(tmp_path / "loaded.pt")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    loaded = torch.load(tmp_path / "loaded.pt")
+    assert loaded.keys() == model.state_dict().keys()
+    assert all(torch.equal(loaded[name], t) and not loaded[name].is_meta for name, t in model.state_dict().items())

@@ -306,8 +306,8 @@ def load_model(path: Path, verify: bool = True) -> tuple[K3ForCausalLM, Tokenize
     config, packed = _read_config(ckpt, verify)
     tokenizer = read_tokenizer(ckpt, verify)
     check_size(ckpt, config)  # before anything is allocated
-    model = skeleton(K3ForCausalLM, config, packed) if packed else K3ForCausalLM(config)
-    load_weights(ckpt, model, verify, assign=packed)
+    model = skeleton(K3ForCausalLM, config, packed)  # on meta: nothing is initialised only to be overwritten
+    load_weights(ckpt, model, verify, assign=True)
     return model.eval(), tokenizer
 
 

@@ -12,7 +12,8 @@ the bytes are held once). The buffers are not trainable; `unpack` gives a traina
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor, nn
@@ -212,10 +213,29 @@ def use_packed_experts(model: nn.Module) -> nn.Module:
     return replace_experts(model, lambda e: e if isinstance(e, PackedExperts) else PackedExperts.like(e))
 
 
+_INITS = ("normal_", "uniform_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_",
+          "xavier_normal_", "orthogonal_", "ones_", "zeros_", "constant_")  # `torch.nn.init`'s, which modules call
+
+
+@contextlib.contextmanager
+def _uninitialised() -> Iterator[None]:
+    """`torch.nn.init`'s functions leave their tensor as it is (as transformers' ``no_init_weights``): random
+    initialisation on the meta device runs Python kernels whose first call imports dynamo (~1 s)."""
+    saved = {name: getattr(nn.init, name) for name in _INITS}
+    for name in _INITS:
+        setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, function in saved.items():
+            setattr(nn.init, name, function)
+
+
 def skeleton(cls: Callable[..., nn.Module], config: object, packed: bool) -> nn.Module:
-    """``cls(config)`` on the meta device (nothing allocated), with empty `PackedExperts` if ``packed``: load its
-    tensors with ``load_state_dict(..., assign=True)``, and float experts are never materialised."""
-    with torch.device("meta"):
+    """``cls(config)`` on the meta device (nothing allocated or initialised), with empty `PackedExperts` if
+    ``packed``: load its tensors with ``load_state_dict(..., assign=True)``, and float experts are never
+    materialised."""
+    with torch.device("meta"), _uninitialised():
         model = cls(config)
         return use_packed_experts(model) if packed else model
 

@@ -196,6 +196,8 @@ class KDALayer(nn.Module):
             if isinstance(module, nn.Linear):
                 nn.init.normal_(module.weight, std=self.initializer_range)
         nn.init.normal_(self.conv.weight, std=1.0 / math.sqrt(self.conv.weight.shape[1]))
+        if self.dt_bias.is_meta:  # a skeleton (`k3.model.packed.skeleton`): its values will be loaded
+            return
         with torch.no_grad():
             if self.gate == "bounded":
                 self._init_bounded_gate()
