@@ -287,3 +287,26 @@ def test_load_model_builds_nothing_it_then_overwrites(tmp_path, gate):
     loaded = torch.load(tmp_path / "loaded.pt")
     assert loaded.keys() == model.state_dict().keys()
     assert all(torch.equal(loaded[name], t) and not loaded[name].is_meta for name, t in model.state_dict().items())
+
+
+def test_a_verified_load_names_its_weights_by_the_checked_file_until_one_changes(tmp_path):
+    """`load_model` vouches for the weights it read from a file whose sha256 it checked (`precompiled.vouch`), so a
+    compiled step's key names them without hashing 650 MB again; a write to any weight, or another dtype, and the
+    values are hashed as for any model (without ``verify``: hashed from the start)."""
+    import serving
+    from k3.model.precompiled import weights_digest
+
+    model_ckpt.save_model(tmp_path / "ckpt", serving.model(), serving.tokenizer())
+    model, _ = model_ckpt.load_model(tmp_path / "ckpt")
+    unverified, _ = model_ckpt.load_model(tmp_path / "ckpt", verify=False)
+    hashed = weights_digest(unverified)
+    assert hashed == weights_digest(serving.model())  # the same values, hashed
+    vouched = weights_digest(model)
+    assert vouched != hashed and weights_digest(model) == vouched
+    other = tmp_path / "other"
+    model_ckpt.save_model(other, K3ForCausalLM(preset("tiny")), serving.tokenizer())
+    assert weights_digest(model_ckpt.load_model(other)[0]) not in (vouched, hashed)  # another file, another name
+    with torch.no_grad():
+        next(model.parameters()).mul_(1.0)  # written (to the same values)
+    assert weights_digest(model) == hashed
+    assert weights_digest(unverified.to(torch.float64)) != hashed

@@ -42,6 +42,7 @@ from k3.files import (CONFIG_LIMIT, DATA_LIMIT, POINTER_LIMIT, atomic_write, ope
                       read_text, write_text)
 from k3.model.lm import K3ForCausalLM
 from k3.model.packed import PackedExperts, skeleton
+from k3.model.precompiled import vouch
 from k3.model.safetensors_io import owned
 from k3.ops import mx
 from k3.sizing.memory import check_stored
@@ -308,6 +309,9 @@ def load_model(path: Path, verify: bool = True) -> tuple[K3ForCausalLM, Tokenize
     check_size(ckpt, config)  # before anything is allocated
     model = skeleton(K3ForCausalLM, config, packed)  # on meta: nothing is initialised only to be overwritten
     load_weights(ckpt, model, verify, assign=True)
+    recorded = _recorded(ckpt, WEIGHTS, verify)
+    if recorded is not None:  # checked as the file was read: compiled steps' keys need not hash the values again
+        vouch(model, f"{WEIGHTS} sha256 {recorded}")
     return model.eval(), tokenizer
 
 
