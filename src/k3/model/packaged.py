@@ -5,9 +5,9 @@ by every process: inductor will not cache it (~60–100 s a graph). A *packaged*
 (`k3.model.precompiled.forward_step` or ``forward_replayed``) exported with ``torch.export`` and compiled ahead of
 time by AOTInductor under the same tuned options (`tuned_options`, inside `fused`): one ``.pt2`` package per shape
 key holding the kernels and the frozen weights, which AOTInductor's C++ loader loads in well under a second
-(`small`'s 54-MB decode package: 0.05 s). The call is one C++
-function on the flat tensors of the state (`flat_state`), without dynamo's frame evaluation and guards: on `mini`'s
-decode step at batch 1 (1 thread) 0.27 ms, against 0.55 ms for the traced tuned graph and 4.5 ms eager.
+(`small`'s 54-MB decode package: 0.05 s). The call is one C++ function on the flat tensors of the state
+(`flat_state`), without dynamo's frame evaluation and guards: on `mini`'s decode step at batch 1 (2 threads)
+0.17 ms, against 0.31 ms for the traced tuned graph and 2.1 ms eager (``benchmarks/packaged.py``).
 
 The state enters as `MLASlots` (the package writes the new MLA entries into their storage, as the traced graph
 does; their length and capacity are dynamic dimensions, within one side of `CASCADE_SUM` as `cached` keys them),
