@@ -220,7 +220,9 @@ _INITS = ("normal_", "uniform_", "trunc_normal_", "kaiming_uniform_", "kaiming_n
 @contextlib.contextmanager
 def _uninitialised() -> Iterator[None]:
     """`torch.nn.init`'s functions leave their tensor as it is (as transformers' ``no_init_weights``): random
-    initialisation on the meta device runs Python kernels whose first call imports dynamo (~1 s)."""
+    initialisation on the meta device runs Python kernels whose first call imports dynamo (~1 s). The functions are
+    the module's, so a module another thread initialises meanwhile is left uninitialised too (models are loaded
+    before serving starts)."""
     saved = {name: getattr(nn.init, name) for name in _INITS}
     for name in _INITS:
         setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
