@@ -176,7 +176,8 @@ class EngineOptions:
         parser.add_argument("--compile-packages", action="store_true", help="with --compile: the tuned decode and "
                             "verification graphs as AOTInductor packages kept in ~/.cache/k3/packages, which a later "
                             "start with the same weights loads in seconds instead of compiling (each package holds a "
-                            "copy of the weights: about the checkpoint's size per graph)")
+                            "copy of the weights: about the checkpoint's size per graph; the least recently used are "
+                            "removed beyond $K3_PACKAGES_GB GiB, default 8)")
         parser.add_argument("--grammar-cache-mb", type=positive(float, zero=True), default=cls.grammar_cache_mb,
                             help="MiB of compiled structured-output grammars kept for reuse (default %(default)s)")
         cache = parser.add_argument_group("prefix cache (README, 'Prefix cache')")
