@@ -85,12 +85,16 @@ def test_packaged_decode_and_verification_equal_the_eager_step_and_load_for_the_
                 assert (again(nxt[:, :tokens], state)[0] - expected).abs().max().item() < LOGIT_TOLERANCE
             assert (again.compilations, again.cache_hits) == (1, 1)
             assert [f.stat().st_mtime > 0 for f in tmp_path.glob("*/*/*.pt2")].count(True) == 1
+        decode = PackagedStep(model, directory=tmp_path, tuned=False)
+        decode(nxt[:, :1], state)  # loaded
         model.lm_head.weight.mul_(-1.0)
         try:
             expected = model.forward_groups([(nxt[:, :1], state)])[0][0]
-            logits, _ = PackagedStep(model, directory=tmp_path, tuned=False)(nxt[:, :1], state)
+            logits, _ = decode(nxt[:, :1], state)
             assert (logits - expected).abs().max().item() < LOGIT_TOLERANCE
             assert len(list(tmp_path.glob("*/*/step-*.pt2"))) == 2  # one package per weights
+            # the step lets the old weights' package go (each holds a copy of its weights)
+            assert (decode.compilations, decode.cache_hits, decode.held) == (2, 1, 1)
         finally:
             model.lm_head.weight.mul_(-1.0)
             hook.remove()

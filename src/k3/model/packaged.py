@@ -147,7 +147,8 @@ class PackagedStep:
     """``step(input_ids [B, T], state) -> (logits, state)`` as `CompiledStep`'s tuned step gives it (``replayed``: a
     verification, every position's logits and a `Replay`; an unpadded state runs as one padded by zeros), on
     AOTInductor packages loaded from ``directory`` (default under ``~/.cache/k3/packages``) or compiled and saved
-    there. ``compilations`` counts the packages built or loaded, ``cache_hits`` those loaded."""
+    there. ``compilations`` counts the packages built or loaded, ``cache_hits`` those loaded, `held` those it holds
+    (the current weights')."""
 
     def __init__(self, model: K3ForCausalLM, replayed: bool = False, directory: Path | None = None,
                  tuned: bool = True) -> None:
@@ -165,6 +166,10 @@ class PackagedStep:
         self._limit = DATA_LIMIT + 2 * sum(t.numel() * t.element_size() for t in [*model.parameters(),
                                                                                   *model.buffers()])
         self._digests: tuple[tuple, str] | None = None  # (the weights' version, their directory)
+
+    @property
+    def held(self) -> int:
+        return len(self._packages)
 
     @staticmethod
     def takes(model: K3ForCausalLM) -> bool:
@@ -209,10 +214,14 @@ class PackagedStep:
         return out[0], self._state(state, slots, tokens, out[1:])
 
     def _weights(self) -> str:
-        """The directory of the current weights' packages (hashed again only after a weight was written)."""
+        """The directory of the current weights' packages (hashed again only after a weight was written); other
+        weights' packages are let go."""
         version = self._version()
         if self._digests is None or self._digests[0] != version:
-            self._digests = (version, f"{layout_digest(self.model)}/{weights_digest(self.model)}")
+            weights = f"{layout_digest(self.model)}/{weights_digest(self.model)}"
+            if self._digests is not None and weights != self._digests[1]:
+                self._packages.clear()  # the previous weights': each package holds a copy of them
+            self._digests = (version, weights)
         return self._digests[1]
 
     def _state(self, state: DecoderState, slots: list, tokens: int, out: list[Tensor]) -> DecoderState:
