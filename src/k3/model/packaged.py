@@ -194,9 +194,9 @@ class PackagedStep:
         if state.batch_size != input_ids.shape[0] or state.replay is not None or state.depth is None:
             raise ValueError(f"state: expected a DecoderState of batch size {input_ids.shape[0]} with its depth "
                              "sources, without a replay")
-        if state.padding is None:  # runs as a state padded by zeros (the same attention), and is returned unpadded
-            logits, after = self(input_ids, replace(state, padding=state.row_padding()))
-            return logits, replace(after, padding=None)
+        unpadded = state.padding is None  # runs as a state padded by zeros (the same attention), returned unpadded
+        if unpadded:
+            state = replace(state, padding=state.row_padding())
         tokens = input_ids.shape[1]
         side = cached(state, tokens)
         if side < 2:
@@ -211,7 +211,8 @@ class PackagedStep:
         if package is None:
             package = self._packages[key] = self._load_or_compile(key, input_ids, leaves, slots)
         out = package.boxed_run([input_ids.contiguous(), *leaves])
-        return out[0], self._state(state, slots, tokens, out[1:])
+        after = self._state(state, slots, tokens, out[1:])
+        return out[0], replace(after, padding=None) if unpadded else after
 
     def _weights(self) -> str:
         """The directory of the current weights' packages (hashed again only after a weight was written); other
