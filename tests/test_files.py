@@ -15,7 +15,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from deadline import finishes
-from k3.files import atomic_write, read_bytes, read_json, read_text, write_bytes, write_text
+from k3.files import (atomic_write, descriptor_path, open_regular, read_bytes, read_json, read_text, write_bytes,
+                      write_text)
 
 
 def test_content_is_replaced_whole(tmp_path):
@@ -128,3 +129,22 @@ def test_a_file_over_the_limit_or_not_json_names_the_file(tmp_path):
         read_text(path, 100)
     with pytest.raises(FileNotFoundError):
         read_bytes(tmp_path / "missing", 10)
+
+
+def test_links_refused_where_asked_and_a_descriptor_path_names_the_file_checked(tmp_path):
+    """``links=False`` refuses a link to a regular file (a cache whose entries are ours alone); `descriptor_path` of an
+    open file reads that file, not what its name holds after it is replaced (a library that opens only paths then
+    loads what was checked)."""
+    path, link = tmp_path / "package.pt2", tmp_path / "link.pt2"
+    path.write_bytes(b"checked")
+    link.symlink_to(path)
+    with pytest.raises(OSError):
+        open_regular(link, 100, links=False)
+    with open_regular(path, 100, links=False) as f:
+        (tmp_path / "swapped").write_bytes(b"swapped")
+        os.replace(tmp_path / "swapped", path)
+        named = descriptor_path(f.fileno())
+        assert named is not None  # Linux and macOS have one
+        with open(named, "rb") as g:
+            assert g.read() == b"checked"
+    assert path.read_bytes() == b"swapped"

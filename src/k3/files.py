@@ -26,8 +26,8 @@ from typing import Any, BinaryIO
 
 from safetensors import SafetensorError
 
-__all__ = ["CONFIG_LIMIT", "DATA_LIMIT", "POINTER_LIMIT", "atomic_write", "open_regular", "read_bytes", "read_json",
-           "read_text", "user_cache", "write_bytes", "write_text"]
+__all__ = ["CONFIG_LIMIT", "DATA_LIMIT", "POINTER_LIMIT", "atomic_write", "descriptor_path", "open_regular", "read_bytes",
+           "read_json", "read_text", "user_cache", "write_bytes", "write_text"]
 
 #: Read limits, far above any real file of the kind. Configs, manifests, ``train.json``, ``state.json``:
 CONFIG_LIMIT = 64 * 2**20
@@ -76,10 +76,12 @@ def write_text(path: str | os.PathLike, text: str) -> None:
     write_bytes(path, text.encode("utf-8"))
 
 
-def open_regular(path: str | os.PathLike, limit: int | None = None) -> BinaryIO:
+def open_regular(path: str | os.PathLike, limit: int | None = None, links: bool = True) -> BinaryIO:
     """``path`` opened for binary reading once it is known, on the open descriptor, to be a regular file (links
-    followed) of at most ``limit`` bytes; else a ValueError naming it. Opening never blocks (``O_NONBLOCK``)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    followed; with ``links=False`` a link is an OSError) of at most ``limit`` bytes; else a ValueError naming it.
+    Opening never blocks (``O_NONBLOCK``)."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | (0 if links else os.O_NOFOLLOW)
+    fd = os.open(path, flags)
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
@@ -91,6 +93,13 @@ def open_regular(path: str | os.PathLike, limit: int | None = None) -> BinaryIO:
     except BaseException:
         os.close(fd)
         raise
+
+
+def descriptor_path(fd: int) -> str | None:
+    """A path naming the open file ``fd`` itself (Linux's ``/proc/self/fd``, macOS's and the BSDs' ``/dev/fd``), for a
+    library that opens only paths: it then reads the file checked on ``fd`` (`open_regular`), even if the name has
+    been replaced since. None where the system has neither."""
+    return next((f"{d}/{fd}" for d in ("/proc/self/fd", "/dev/fd") if os.path.isdir(d)), None)
 
 
 def read_bytes(path: str | os.PathLike, limit: int) -> bytes:

@@ -19,8 +19,9 @@ on the layers after the call as an eager step sets them.
 Packages are kept under ``~/.cache/k3/packages/<layout>/<weights>/`` (`layout_digest`: the config, the source, torch,
 the CPU; `weights_digest`: the values frozen in), one file per shape key (batch, tokens, cache side, dtypes, train
 or eval mode, features kept, thread count: the kernels' OpenMP width is fixed at compilation), so a package is only
-ever loaded for the weights and the machine it was built for. A file that is not a regular file, exceeds
-`DATA_LIMIT` beyond twice the weights' bytes, or does not load is compiled again (with a warning for the last).
+ever loaded for the weights and the machine it was built for. A file that is not a regular file (a link neither),
+exceeds `DATA_LIMIT` beyond twice the weights' bytes, or does not load is compiled again (with a warning for the
+last); the loader reads the file checked, through its descriptor (`k3.files.descriptor_path`).
 Each package holds a copy of the weights, so the directory is bounded: saving one removes the least recently used
 others beyond ``$K3_PACKAGES_GB`` GiB (default 8, `bound`).
 """
@@ -38,7 +39,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from k3.files import DATA_LIMIT, user_cache
+from k3.files import DATA_LIMIT, descriptor_path, open_regular, user_cache
 from k3.model.compiled_step import CASCADE_SUM, WeightsVersion, cached, tuned_options
 from k3.model.graph_inputs import cache_slots, canonical
 from k3.model.lm import K3ForCausalLM
@@ -274,9 +275,12 @@ class PackagedStep:
         """The package at ``path``, or None where there is none (or it is not a regular file within `DATA_LIMIT`, or
         does not load: a warning)."""
         try:
-            if not path.is_file() or path.is_symlink() or path.stat().st_size > self._limit:
-                return None
-            runner = self._runner(path)
+            file = open_regular(path, self._limit, links=False)
+        except (OSError, ValueError):  # none, a link, not a regular file, too large
+            return None
+        try:
+            with file:  # the loader reads (and unpacks) the file checked, not whatever the name holds later
+                runner = self._runner(descriptor_path(file.fileno()) or path)
         except Exception as err:  # any failure to load means: compile it again
             warnings.warn(f"packaged step {path} did not load ({err!r}); compiling it again", RuntimeWarning,
                           stacklevel=3)
@@ -314,7 +318,7 @@ class PackagedStep:
         bound(self.root, path, kept_bytes())
         return self._runner(path)
 
-    def _runner(self, path: Path):  # noqa: ANN202
+    def _runner(self, path: Path | str):  # noqa: ANN202
         """The package's runner, whose ``boxed_run`` takes and returns the flat tensors. Made by AOTInductor's C++
         loader directly: ``aoti_load_package`` imports inductor (~1–2 s of a process's start, a third of `small`'s
         200-token ``k3 generate``) and its wrapper parses the package's call spec at every call."""

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from k3.files import open_regular
+from k3.files import open_regular, write_text
 from k3.model.lm import K3ForCausalLM
 from k3.model.state import DecoderState
 
@@ -63,9 +63,7 @@ class Record:
         entries = _entries(path)
         entries[str(threads)] = {"load_s": self.load_s, "step_s": self.step_s}
         path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_suffix(".tmp")
-        temporary.write_text(json.dumps(entries))
-        temporary.replace(path)
+        write_text(path, json.dumps(entries))  # whole or not at all, whatever other runs write beside it
 
     def pays(self, tokens: int, eager_s: float) -> bool:
         """Whether loading the graphs and decoding ``tokens`` on them beats decoding them eagerly."""
