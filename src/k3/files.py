@@ -26,8 +26,8 @@ from typing import Any, BinaryIO
 
 from safetensors import SafetensorError
 
-__all__ = ["CONFIG_LIMIT", "DATA_LIMIT", "POINTER_LIMIT", "atomic_write", "descriptor_path", "open_regular", "read_bytes",
-           "read_json", "read_text", "user_cache", "write_bytes", "write_text"]
+__all__ = ["CONFIG_LIMIT", "DATA_LIMIT", "POINTER_LIMIT", "atomic_write", "descriptor_path", "open_regular",
+           "read_bytes", "read_json", "read_text", "user_cache", "write_bytes", "write_text"]
 
 #: Read limits, far above any real file of the kind. Configs, manifests, ``train.json``, ``state.json``:
 CONFIG_LIMIT = 64 * 2**20
