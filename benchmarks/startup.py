@@ -14,12 +14,12 @@ and when every graph was (the tuned decode graph too, compiled on the server's g
 before listening, the previous behaviour); with ``--only packages``, ``--compile --compile-packages`` cold and warm
 alone (the tuned decode graph as an AOTInductor package, `k3.model.packaged`, which the warm start loads).
 
-Then ``k3 generate --compile`` of 200 greedy tokens as a whole process (import, load, compiled step, decoding),
-beside the same command without ``--compile``: cold (empty caches: the packaged tuned decode step is compiled), warm
-(the first warm run loads the package and records what that cost, `k3.model.payoff`), and warm again (that run loads
-it only where the record says it pays for its tokens; eager and deciding runs alternate ``--repeats`` times, and the
-median of each is reported), on ``small`` and on a wider model of the same depth (d=1024, 162M parameters, where a
-step costs what the start-up does not).
+Then ``k3 generate --compile`` of 200 greedy tokens (``--ignore-eos``: random weights would end sooner) as a whole
+process (import, load, compiled step, decoding), beside the same command without ``--compile``: cold (empty caches:
+the packaged tuned decode step is compiled), warm (the first warm run loads the package and records what that cost,
+`k3.model.payoff`), and warm again (that run loads it only where the record says it pays for its tokens; eager and
+deciding runs alternate ``--repeats`` times, and the median of each is reported), on ``small`` and on a wider model
+of the same depth (d=1024, 162M parameters, where a step costs what the start-up does not).
 
     python benchmarks/startup.py              # ~30 min on 2 cores
 """
@@ -102,11 +102,12 @@ def wide() -> K3Config:
 
 
 def generate(ckpt: Path, name: str, flags: list[str], xdg: Path) -> dict:
-    """``k3 generate`` of 200 greedy tokens as a process: its wall time (and the compiled run's own account)."""
+    """``k3 generate`` of exactly 200 greedy tokens as a process: its wall time (and the compiled run's own
+    account)."""
     env = {**{k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}, "XDG_CACHE_HOME": str(xdg)}
     start = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "k3.cli", "generate", "--ckpt", str(ckpt), "--prompt",
-                           "def parse(text):", "--max-tokens", "200", "--temperature", "0", *flags],
+                           "def parse(text):", "--max-tokens", "200", "--ignore-eos", "--temperature", "0", *flags],
                           capture_output=True, text=True, env=env, timeout=3600, check=True)
     return {"run": name, "seconds": round(time.perf_counter() - start, 2), "text": done.stdout,
             "account": done.stderr.strip().splitlines()[-1] if flags else ""}

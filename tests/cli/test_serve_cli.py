@@ -251,3 +251,24 @@ def test_generate_runs_on_cuda_by_default(ckpt, capsys):
     assert (model.device.type, model.dtype) == ("cuda", torch.bfloat16)
     assert main(["generate", "--ckpt", str(ckpt), "--prompt", "def", "--max-tokens", "5", "--temperature", "0"]) == 0
     assert capsys.readouterr().out.startswith("def")
+
+
+def test_generate_stops_at_the_end_of_text_unless_told_to_ignore_it(ckpt, capsys, monkeypatch):
+    """``k3 generate`` ends at the tokenizer's end-of-text id; ``--ignore-eos`` decodes past it, exactly
+    ``--max-tokens`` tokens (as the API's ``ignore_eos``, and llama.cpp's ``--ignore-eos``)."""
+    import k3.generation
+
+    seen: list[tuple] = []
+    real = k3.generation.stream
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs["stop_ids"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(k3.generation, "stream", recording)
+    eos = serving.tokenizer().eos_id
+    for flags in ([], ["--ignore-eos"]):
+        assert main(["generate", "--ckpt", str(ckpt), "--prompt", "def", "--max-tokens", "3", "--temperature", "0",
+                     "--device", "cpu", *flags]) == 0
+        assert capsys.readouterr().out.startswith("def")
+    assert seen == [(eos,), ()]

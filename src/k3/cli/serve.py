@@ -26,7 +26,7 @@ def _generate(args: argparse.Namespace) -> int:
     print(args.prompt, end="", flush=True)
     ids: list[int] = []
     for token in stream(model, prompt, args.max_tokens, args.temperature, args.top_p, args.top_k, args.seed,
-                        stop_ids=(tokenizer.eos_id,), step=step):
+                        stop_ids=() if args.ignore_eos else (tokenizer.eos_id,), step=step):
         ids.append(token)
     print(tokenizer.decode(ids))
     if step is not None:
@@ -230,6 +230,8 @@ def _add_generate(commands: argparse._SubParsersAction) -> None:
     gen.add_argument("--top-p", type=float, default=0.95)
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int)
+    gen.add_argument("--ignore-eos", action="store_true", help="go on past the end-of-text token: exactly "
+                     "--max-tokens tokens (benchmarks; the API's ignore_eos)")
     add_placement_arguments(gen)
     EngineOptions.add_generate_arguments(gen)
     gen.set_defaults(run=_generate)
