@@ -146,7 +146,7 @@ def test_k3_generate_compile_gives_the_eager_text_and_loads_packages_only_where_
     assert not list((tmp_path / "cache").rglob("payoff.json"))  # a compiling run has no load time to record
     loaded, account = run("--compile")  # no record: load the package, and record
     assert loaded == text and "1 packages, 1 of them loaded from the on-disk cache" in account
-    assert "9 steps compiled, 3 eager" in account  # 12 tokens: the prompt, 3 eager steps, then 8 + the last
+    assert "8 steps compiled, 3 eager" in account  # 12 tokens: the prompt's step gives the first, then 3 eager, 8
     (path,) = (tmp_path / "cache").rglob("payoff.json")
     (threads, _), = json.loads(path.read_text()).items()
     assert Record.read(path.parent, int(threads)) is not None

@@ -13,22 +13,26 @@ from k3.serve.options import EngineOptions, add_placement_arguments, load, posit
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from k3.generation import stream
+    from k3.generation import check_sampling, room, stream
 
+    check_sampling(args.temperature, args.top_p, args.top_k)  # before the checkpoint is read
     model, tokenizer = load(args.ckpt, not args.no_verify, args.device, args.dtype)
     prompt = tokenizer.encode(args.prompt) or [tokenizer.bos_id]
+    tokens = min(args.max_tokens, room(model, prompt))  # none past the model's context
     step = None
     if EngineOptions.from_args(args).compile:  # the decode graph from the on-disk cache where it pays for the run
         from k3.model.payoff import PayingStep
 
-        context = min(len(prompt) + args.max_tokens, model.config.context_length)
-        step = PayingStep(model, args.max_tokens, lambda compiled: compiled.families(1, context, prefill=False))
+        context = len(prompt) + tokens
+        step = PayingStep(model, tokens, lambda compiled: compiled.families(1, context, prefill=False))
     print(args.prompt, end="", flush=True)
     ids: list[int] = []
-    for token in stream(model, prompt, args.max_tokens, args.temperature, args.top_p, args.top_k, args.seed,
+    for token in stream(model, prompt, tokens, args.temperature, args.top_p, args.top_k, args.seed,
                         stop_ids=() if args.ignore_eos else (tokenizer.eos_id,), step=step):
         ids.append(token)
     print(tokenizer.decode(ids))
+    if tokens < args.max_tokens and len(ids) == tokens:
+        print(f"k3: stopped at the model's context of {model.config.context_length} tokens", file=sys.stderr)
     if step is not None:
         print(step.finish(), file=sys.stderr)
     return 0
@@ -225,7 +229,8 @@ def _add_generate(commands: argparse._SubParsersAction) -> None:
     gen.add_argument("--ckpt", required=True, help="a run, checkpoint or released Kimi K3 directory")
     gen.add_argument("--no-verify", action="store_true", help=_NO_VERIFY)
     gen.add_argument("--prompt", default="")
-    gen.add_argument("--max-tokens", type=int, default=100)
+    gen.add_argument("--max-tokens", type=positive(int), default=100, help="most tokens generated (fewer where the "
+                     "model's context ends first; default %(default)s)")
     gen.add_argument("--temperature", type=float, default=0.8)
     gen.add_argument("--top-p", type=float, default=0.95)
     gen.add_argument("--top-k", type=int, default=0)
@@ -275,7 +280,7 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
 
 def _add_chat(commands: argparse._SubParsersAction) -> None:
     sub = _add_engine_command(commands, "chat", "chat with a checkpoint in the terminal", _chat, "thinking")
-    sub.add_argument("--max-tokens", type=int, default=256)
+    sub.add_argument("--max-tokens", type=positive(int), default=256)
     sub.add_argument("--temperature", type=float, default=0.7)
     sub.add_argument("--top-p", type=float, default=0.95)
     sub.add_argument("--seed", type=int)

@@ -135,10 +135,15 @@ class PayingStep:
         logits, state = self.model(input_ids, state=state)
         return logits[:, -1], state
 
+    @property
+    def left(self) -> int:
+        """The decode steps after the eager ones: a run of ``max_tokens`` decodes all but the first (the prompt's
+        step gives it; `k3.generation.stream` runs no step after the last)."""
+        return self.max_tokens - 1 - EAGER_STEPS
+
     def _decide(self) -> None:
         self.decided = True
-        remaining = self.max_tokens - EAGER_STEPS
-        if self.record is not None and not self.record.pays(remaining, min(self.eager_s)):
+        if self.record is not None and not self.record.pays(self.left, min(self.eager_s)):
             return
         if self.packaged:
             from k3.model.packaged import PackagedStep
@@ -157,7 +162,7 @@ class PayingStep:
                 return f"k3: --compile: the run ended within its first {EAGER_STEPS} eager steps (no graph loaded)"
             record = self.record
             return (f"k3: --compile: decoded eagerly: loading the graphs took {record.load_s:.1f} s last time, more "
-                    f"than {self.max_tokens - EAGER_STEPS} tokens save ({record.step_s * 1e3:.1f} against "
+                    f"than {self.left} tokens save ({record.step_s * 1e3:.1f} against "
                     f"{min(self.eager_s) * 1e3:.1f} ms a token; {Record.path(self.directory)})")
         c = self.compiled
         if c.compilations == c.cache_hits and self.compiled_s and self.load_s is not None:
