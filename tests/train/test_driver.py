@@ -181,8 +181,16 @@ def test_check_counts_names_the_field():
         steps, threads = 3, None
 
     check_counts(Config(), "x", ("steps",))
+    for minutes in (None, 0.0, 0.5, 30):  # 0: stop after the first step
+        config = Config()
+        config.max_minutes = minutes
+        check_counts(config, "x", ("steps",))
     for name, value, match in (("steps", 0, "x.steps = 0"), ("steps", True, "x.steps = True"),
-                               ("threads", 0, "x.threads = 0 is invalid: a positive integer or None")):
+                               ("threads", 0, "x.threads = 0 is invalid: a positive integer or None"),
+                               ("max_minutes", float("nan"), "x.max_minutes = nan is invalid"),
+                               ("max_minutes", float("inf"), "x.max_minutes = inf is invalid"),
+                               ("max_minutes", -1.0, "x.max_minutes = -1.0 is invalid"),
+                               ("max_minutes", "5", "x.max_minutes = '5' is invalid")):
         config = Config()
         setattr(config, name, value)
         with pytest.raises(ValueError, match=re.escape(match)):

@@ -294,6 +294,11 @@ def test_muon_rejects_invalid_parameters():
         Muon([torch.nn.Parameter(torch.ones(4, 2))], lr=0.1, num_heads=3)
     with pytest.raises(ValueError, match="momentum"):
         Muon([torch.nn.Parameter(torch.ones(4, 2))], lr=0.1, momentum=1.0)
+    for lr in (float("inf"), float("nan"), -0.1):  # an infinite step would train one step of NaNs
+        with pytest.raises(ValueError, match="lr must be finite and >= 0"):
+            Muon([torch.nn.Parameter(torch.ones(4, 2))], lr=lr)
+    with pytest.raises(ValueError, match="weight_decay must be finite and >= 0"):
+        Muon([torch.nn.Parameter(torch.ones(4, 2))], lr=0.1, weight_decay=float("inf"))
     with pytest.raises(ValueError, match="head_split"):
         Muon([torch.nn.Parameter(torch.ones(8, 2))], lr=0.1, num_heads=2, head_split=(1, 2))
     with pytest.raises(ValueError, match="head_split"):
@@ -412,6 +417,12 @@ def test_optim_config_round_trips_and_validates():
         OptimConfig(optimizer="sgd")
     with pytest.raises(ValueError, match="qk_clip"):
         OptimConfig(qk_clip=-1.0)
+    for name, value in (("lr", float("inf")), ("adam_lr", float("nan")), ("weight_decay", -0.1), ("eps", "1e-8"),
+                        ("lr", True)):  # AdamW alone takes an infinite rate and trains a step of NaNs
+        with pytest.raises(ValueError, match=f"{name}: expected a finite number >= 0"):
+            OptimConfig(**{name: value})
+    with pytest.raises(ValueError, match="momentum"):
+        OptimConfig(momentum=float("nan"))
 
 
 def test_qk_clip_is_on_by_default_with_k2s_threshold():

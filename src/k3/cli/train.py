@@ -140,7 +140,8 @@ def _add_train(commands: argparse._SubParsersAction) -> None:
                     help="FRACTION:LENGTH stages, e.g. 0:256,0.6:1024,0.9:4096, or paper:BASE, the paper's "
                          "8K→64K→256K→1M shape from length BASE (stages at 0, 0.5, 0.9, 0.97 of the steps; "
                          "plain 'paper' is BASE 8192) (default: %(default)s)")
-    tr.add_argument("--lr", type=float)
+    tr.add_argument("--lr", type=positive(float), help="peak learning rate of Muon and AdamW (default: the "
+                    "optimiser's, 3e-3)")
     tr.add_argument("--optimizer", choices=("muon", "adamw"), default="muon")
     tr.add_argument("--qk-clip", type=positive(float, zero=True),
                     help="QK-clip threshold tau for MLA heads (default: Kimi K2's 100; 0 disables)")

@@ -15,6 +15,7 @@ restored its ``step_index``):
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -157,7 +158,8 @@ def _progress(stage: Stage, loop: Loop, start: int) -> Iterator[Show]:
 
 
 def check_counts(config: Any, prefix: str, names: Sequence[str]) -> None:
-    """Each of ``names`` a positive integer and ``config.threads`` None or one (ValueError naming the field)."""
+    """Each of ``names`` a positive integer, ``config.threads`` None or one, and ``config.max_minutes`` (where the
+    stage has it) None or a finite number >= 0 (ValueError naming the field)."""
     for name in names:
         value = getattr(config, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -165,3 +167,8 @@ def check_counts(config: Any, prefix: str, names: Sequence[str]) -> None:
     threads = config.threads
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
         raise ValueError(f"{prefix}.threads = {threads!r} is invalid: a positive integer or None")
+    minutes = getattr(config, "max_minutes", None)
+    if minutes is not None and (isinstance(minutes, bool) or not isinstance(minutes, int | float)
+                                or not 0 <= minutes < math.inf):
+        raise ValueError(f"{prefix}.max_minutes = {minutes!r} is invalid: a finite number of minutes >= 0 (0: stop "
+                         f"after the first step) or None")

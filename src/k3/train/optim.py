@@ -132,12 +132,12 @@ class Muon(torch.optim.Optimizer):
 
     @staticmethod
     def _check_group(group: dict) -> None:
-        if not (isinstance(group["lr"], float | int) and group["lr"] >= 0):
-            raise ValueError(f"Muon: lr must be >= 0, got {group['lr']!r}")
+        if not (isinstance(group["lr"], float | int) and 0 <= group["lr"] < math.inf):
+            raise ValueError(f"Muon: lr must be finite and >= 0, got {group['lr']!r}")
         if not 0 <= group["momentum"] < 1:
             raise ValueError(f"Muon: momentum must lie in [0, 1), got {group['momentum']!r}")
-        if not group["weight_decay"] >= 0:
-            raise ValueError(f"Muon: weight_decay must be >= 0, got {group['weight_decay']!r}")
+        if not 0 <= group["weight_decay"] < math.inf:
+            raise ValueError(f"Muon: weight_decay must be finite and >= 0, got {group['weight_decay']!r}")
         if not (isinstance(group["ns_steps"], int) and group["ns_steps"] >= 1):
             raise ValueError(f"Muon: ns_steps must be a positive integer, got {group['ns_steps']!r}")
         heads, split = group["num_heads"], group["head_split"]
@@ -241,6 +241,12 @@ class OptimConfig:
         self.betas = tuple(float(b) for b in self.betas)  # a JSON round trip turns the tuple into a list
         if self.optimizer not in ("muon", "adamw"):
             raise ValueError(f"optimizer: expected 'muon' or 'adamw', got {self.optimizer!r}")
+        for name in ("lr", "adam_lr", "weight_decay", "eps"):  # an infinite rate trains a step of NaNs
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, float | int) or not 0 <= value < math.inf:
+                raise ValueError(f"{name}: expected a finite number >= 0, got {value!r}")
+        if not 0 <= self.momentum < 1:
+            raise ValueError(f"momentum: expected [0, 1), got {self.momentum!r}")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise ValueError(f"betas: expected two values in [0, 1), got {self.betas!r}")
         if not 0 <= self.warmup_frac < 1:
