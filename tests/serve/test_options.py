@@ -182,3 +182,27 @@ def test_compile_packages_puts_the_engines_tuned_steps_on_packages_and_needs_com
     assert engine.compiled.compilations == 0  # nothing is built before `warm_up`
     with pytest.raises(ValueError, match="--compile-packages: only with --compile"):
         EngineOptions.from_args(parse(command, "--ckpt", "c", "--compile-packages"))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["serve", "--ckpt", "c", "--port", "99999"], "argument --port: expected an integer in [0, 65535], got 99999"),
+    (["route", "--port", "-1", "--replica", "http://127.0.0.1:1"],
+     "argument --port: expected an integer in [0, 65535], got -1"),
+    (["generate", "--ckpt", "c", "--seed", "-1"], "argument --seed: expected an integer in [0, 9223372036854775807]"),
+    (["train", "--seed", str(2**64)], "argument --seed: expected an integer in [0, 9223372036854775807]"),
+    (["train", "--data-limit-mb", "nan"], "argument --data-limit-mb: expected a positive number, got nan"),
+    (["serve", "--ckpt", "c", "--port", "65535", "--replicas", "2"],
+     "--port 65535: with --replicas 2 it must lie in 1..65533 (the replicas listen on PORT+1..PORT+2)"),
+    (["serve", "--ckpt", "c", "--port", "0", "--replicas", "2"], "--port 0: with --replicas 2 it must lie in"),
+])
+def test_ports_seeds_and_limits_out_of_range_are_refused_by_flag_before_anything_runs(argv, message, capsys):
+    """A port beyond 65,535 (a bind traceback after the model had loaded), a seed torch cannot take, a NaN data limit
+    and replicas whose ports run past the last are refused by name, with no traceback."""
+    from k3.cli import main
+
+    try:
+        code = main(argv)
+    except SystemExit as exit_:
+        code = exit_.code
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and "Traceback" not in err

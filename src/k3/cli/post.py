@@ -8,7 +8,7 @@ import argparse
 from typing import Any
 
 from k3.rl.domains import DOMAINS, EFFORTS
-from k3.serve.options import positive
+from k3.serve.options import SEED, positive
 
 
 def _chats(args: argparse.Namespace) -> int:
@@ -77,7 +77,7 @@ def _common(p: argparse.ArgumentParser, steps: int) -> None:
                    "(default %(default)s)")
     p.add_argument("--eval-every", type=positive(int), default=5)
     p.add_argument("--ckpt-every", type=positive(int), default=5)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=SEED, default=0)
     p.add_argument("--threads", type=positive(int), help="torch threads (default: torch's)")
     p.add_argument("--no-progress", action="store_true")
 
@@ -102,7 +102,7 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     ch.add_argument("--modes", nargs="+", choices=("thinking", "instruct"), default=["thinking", "instruct"])
     ch.add_argument("--n-per", type=positive(int), default=100, help="tasks per domain (default %(default)s)")
     ch.add_argument("--split", choices=("train", "test"), default="train")
-    ch.add_argument("--seed", type=int, default=0)
+    ch.add_argument("--seed", type=SEED, default=0)
     ch.set_defaults(run=_chats)
 
     sft = commands.add_parser("sft", help="supervised fine-tuning on K3 chats (loss on assistant channels only)")

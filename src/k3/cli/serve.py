@@ -9,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-from k3.serve.options import EngineOptions, add_placement_arguments, load, positive
+from k3.serve.options import PORT, SEED, EngineOptions, add_placement_arguments, load, positive
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -87,6 +87,10 @@ def _limit_flags(parser: argparse.ArgumentParser) -> None:
 def _serve(args: argparse.Namespace) -> int:
     if args.replicas > 1:
         from k3.serve.fleet.launch import run_fleet
+
+        if not 0 < args.port <= 65535 - args.replicas:  # 0 (any free port) has no PORT+1
+            raise ValueError(f"--port {args.port}: with --replicas {args.replicas} it must lie in "
+                             f"1..{65535 - args.replicas} (the replicas listen on PORT+1..PORT+{args.replicas})")
 
         return run_fleet(args.ckpt, args.replicas, args.port, args.argv[1:], host=args.host, limits=_limits(args),
                          api_key=args.api_key)
@@ -234,7 +238,7 @@ def _add_generate(commands: argparse._SubParsersAction) -> None:
     gen.add_argument("--temperature", type=float, default=0.8)
     gen.add_argument("--top-p", type=float, default=0.95)
     gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--seed", type=int)
+    gen.add_argument("--seed", type=SEED)
     gen.add_argument("--ignore-eos", action="store_true", help="go on past the end-of-text token: exactly "
                      "--max-tokens tokens (benchmarks; the API's ignore_eos)")
     add_placement_arguments(gen)
@@ -260,7 +264,7 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     sub = _add_engine_command(commands, "serve", "an OpenAI-compatible HTTP server for a checkpoint", _serve,
                               "instruct")
     sub.add_argument("--host", default="127.0.0.1")
-    sub.add_argument("--port", type=int, default=8000)
+    sub.add_argument("--port", type=PORT, default=8000)
     sub.add_argument("--replicas", type=positive(int), default=1,
                      help="engine processes behind a cache-aware router (k3 route): replicas on ports "
                           "PORT+1..PORT+N, the router on --port (default: %(default)s, no router)")
@@ -283,7 +287,7 @@ def _add_chat(commands: argparse._SubParsersAction) -> None:
     sub.add_argument("--max-tokens", type=positive(int), default=256)
     sub.add_argument("--temperature", type=float, default=0.7)
     sub.add_argument("--top-p", type=float, default=0.95)
-    sub.add_argument("--seed", type=int)
+    sub.add_argument("--seed", type=SEED)
     sub.add_argument("--image", action="append", default=[], metavar="PATH",
                      help="an image (PNG, JPEG, WebP or a still GIF) shown with the first message (repeatable)")
 
@@ -293,7 +297,7 @@ def _add_route(commands: argparse._SubParsersAction) -> None:
     ro.add_argument("--replica", action="append", required=True, metavar="URL",
                     help="a replica's base URL, e.g. http://127.0.0.1:8001 (repeat the flag for each)")
     ro.add_argument("--host", default="127.0.0.1")
-    ro.add_argument("--port", type=int, default=8000)
+    ro.add_argument("--port", type=PORT, default=8000)
     ro.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (also for /router/status); the replicas "
                     "get the same header")
     ro.add_argument("--long-threshold", type=positive(int), default=32768,

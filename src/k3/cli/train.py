@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from k3.config import PACKED_ACTIVATIONS, PRESETS
-from k3.serve.options import positive
+from k3.serve.options import SEED, positive
 
 
 def _curriculum(text: str) -> list[list[float]]:
@@ -129,7 +129,8 @@ def _add_train(commands: argparse._SubParsersAction) -> None:
     tr.add_argument("--steps", type=int, default=1000)
     tr.add_argument("--data", nargs="*", help="text files/folders, .jsonl (text field), .parquet; default: the "
                     "Python standard library's source")
-    tr.add_argument("--data-limit-mb", type=float, help="use at most this much of the standard-library corpus")
+    tr.add_argument("--data-limit-mb", type=positive(float),
+                    help="use at most this much of the standard-library corpus")
     tr.add_argument("--out", default="runs/k3", help="run directory: checkpoints, metrics.jsonl, curves.png")
     tr.add_argument("--resume", action="store_true", help="continue the run in --out if it has a checkpoint")
     tr.add_argument("--tokens-per-step", type=int,
@@ -159,7 +160,7 @@ def _add_train(commands: argparse._SubParsersAction) -> None:
     tr.add_argument("--threads", type=positive(int), help="torch threads (default: the cores other processes leave "
                     "free, re-measured every few seconds)")
     tr.add_argument("--max-minutes", type=float, help="stop after this much wall time (a checkpoint is written)")
-    tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument("--seed", type=SEED, default=0)
     tr.add_argument("--no-progress", action="store_true")
     _add_parallel(tr)
     tr.set_defaults(run=_train)
@@ -200,10 +201,11 @@ def _add_train_draft(commands: argparse._SubParsersAction) -> None:
     td.add_argument("--seq-len", type=positive(int), default=128, help="tokens per training window")
     td.add_argument("--batch-size", type=positive(int), default=8)
     td.add_argument("--lr", type=positive(float), default=1e-3, help="AdamW peak learning rate (cosine decay)")
-    td.add_argument("--seed", type=int, default=0)
+    td.add_argument("--seed", type=SEED, default=0)
     td.add_argument("--data", nargs="*", help="text files/folders, .jsonl, .parquet; default: the Python standard "
                     "library's source (as k3 train)")
-    td.add_argument("--data-limit-mb", type=float, help="use at most this much of the standard-library corpus")
+    td.add_argument("--data-limit-mb", type=positive(float),
+                    help="use at most this much of the standard-library corpus")
     td.add_argument("--layer-kind", choices=("mla", "kda"), default="mla", help="the draft's sequence mixer")
     td.add_argument("--mask", choices=("eagle3", "causal"),
                     help="what an unrolled draft step attends to: eagle3 (the default for an MLA draft) sees the "

@@ -33,6 +33,20 @@ def positive(kind: type, zero: bool = False) -> Callable[[str], int | float]:
     return parse
 
 
+def integer(low: int, high: int) -> Callable[[str], int]:
+    """An argparse type: an int in [``low``, ``high``]; errors name the flag."""
+    def parse(text: str) -> int:
+        value = int(text)
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"expected an integer in [{low}, {high}], got {text}")
+        return value
+
+    parse.__name__ = "int"
+    return parse
+
+
+SEED = integer(0, 2**63 - 1)  # what torch's generators and numpy's take alike
+PORT = integer(0, 65535)  # 0: any free port
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 MAX_LOOKUP = 32  # --prompt-lookup-max: the longest suffix the n-gram drafter may look up (its work per token)
 
