@@ -194,6 +194,8 @@ def test_compile_packages_puts_the_engines_tuned_steps_on_packages_and_needs_com
     (["serve", "--ckpt", "c", "--port", "65535", "--replicas", "2"],
      "--port 65535: with --replicas 2 it must lie in 1..65533 (the replicas listen on PORT+1..PORT+2)"),
     (["serve", "--ckpt", "c", "--port", "0", "--replicas", "2"], "--port 0: with --replicas 2 it must lie in"),
+    (["serve", "--ckpt", "c", "--max-model-len", "0"], "argument --max-model-len: expected a positive number, got 0"),
+    (["serve", "--ckpt", "c", "--threads", "0"], "argument --threads: expected a positive number, got 0"),
 ])
 def test_ports_seeds_and_limits_out_of_range_are_refused_by_flag_before_anything_runs(argv, message, capsys):
     """A port beyond 65,535 (a bind traceback after the model had loaded), a seed torch cannot take, a NaN data limit
@@ -206,3 +208,13 @@ def test_ports_seeds_and_limits_out_of_range_are_refused_by_flag_before_anything
         code = exit_.code
     err = capsys.readouterr().err
     assert code == 2 and message in err and "Traceback" not in err
+
+
+def test_a_max_model_len_beyond_the_models_context_is_refused_not_clamped():
+    """It was cut to the model's context in silence (and 0 meant the model's): vLLM refuses it too."""
+    model, tokenizer = serving.model(), serving.tokenizer()
+    for length in (0, model.config.context_length + 1):
+        with pytest.raises(ValueError, match=rf"max_model_len \(--max-model-len\): {length} is not within 1..4096"):
+            Engine(model, tokenizer, max_model_len=length)
+    assert Engine(model, tokenizer, max_model_len=4096).max_model_len == 4096
+    assert Engine(model, tokenizer).max_model_len == 4096

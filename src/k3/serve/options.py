@@ -164,7 +164,8 @@ class EngineOptions:
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
         """The engine flags of ``k3 serve`` and ``k3 chat``, the prefix cache's in their own group."""
-        parser.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
+        parser.add_argument("--max-model-len", type=positive(int), help="context length, at most the model's "
+                            "(default: the model's)")
         parser.add_argument("--max-batch", type=int, default=cls.max_batch, help="most requests decoded together")
         parser.add_argument("--prefill-chunk", type=int, default=cls.prefill_chunk,
                             help="prompt tokens prefilled per step while other requests decode (their latency vs "
@@ -208,8 +209,8 @@ class EngineOptions:
     @staticmethod
     def add_threads_argument(parser: argparse.ArgumentParser) -> None:
         """``k3 serve --threads``."""
-        parser.add_argument("--threads", type=int, help="torch intra-op threads (default: all cores but one, which "
-                            "is left to the HTTP server)")
+        parser.add_argument("--threads", type=positive(int), help="torch intra-op threads (default: all cores but "
+                            "one, which is left to the HTTP server)")
 
     @staticmethod
     def add_queue_argument(group: argparse._ArgumentGroup) -> None:

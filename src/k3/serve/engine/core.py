@@ -80,7 +80,11 @@ class Engine:
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.grammars = grammars if grammars is not None else Grammars(tokenizer)
-        self.max_model_len = min(max_model_len or model.config.context_length, model.config.context_length)
+        context = model.config.context_length
+        if max_model_len is not None and not 1 <= max_model_len <= context:
+            raise ValueError(f"max_model_len (--max-model-len): {max_model_len} is not within 1..{context}, the "
+                             f"model's context")
+        self.max_model_len = context if max_model_len is None else max_model_len
         self.drafter = drafter
         self.compiled = CompiledModel(self.model) if compile is True else compile or None
         reads_target = drafter is not None and drafter.feature_layers
