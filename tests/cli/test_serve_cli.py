@@ -147,6 +147,23 @@ def test_k3_chat_session(ckpt, monkeypatch, capsys):
     assert "(unknown mode 'loud'" in out and "(history cleared)" in out
 
 
+def test_k3_chat_keeps_the_conversation_past_a_line_that_is_not_unicode(ckpt, monkeypatch, capsys):
+    """A line of invalid UTF-8 (surrogate escapes from the terminal's decoding) ended the session with an error and
+    the conversation lost; it is now dropped with a note, and the chat goes on."""
+    lines = "hello\n\udcff\udcfe garbage\nagain\n/quit\n"
+    monkeypatch.setattr(sys, "stdin", io.StringIO(lines))
+    assert main(["chat", "--ckpt", str(ckpt), "--max-tokens", "4", "--seed", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "(not sent: " in out and "not valid Unicode" in out
+    assert out.count("[reasoning]") == 2  # "hello" and "again" answered
+
+
+def test_k3_chat_refuses_bad_sampling_settings_before_reading_the_checkpoint(tmp_path, capsys):
+    assert main(["chat", "--ckpt", str(tmp_path / "missing"), "--temperature", "nan"]) == 2
+    err = capsys.readouterr().err
+    assert "temperature: expected a number in [0, 100], got nan" in err and "missing" not in err
+
+
 def test_k3_serve_bad_checkpoint_is_a_clear_error(tmp_path, capsys):
     assert main(["serve", "--ckpt", str(tmp_path)]) == 2
     assert "no checkpoint here" in capsys.readouterr().err

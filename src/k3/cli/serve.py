@@ -140,6 +140,8 @@ def _chat(args: argparse.Namespace) -> int:
     from k3.chat import chat_format
     from k3.serve.engine import SamplingParams
 
+    # the settings checked before the checkpoint is read (the vocabulary does not enter these fields' checks)
+    SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed).check(1)
     engine = EngineOptions.from_args(args).build(*load(args.ckpt, not args.no_verify, args.device, args.dtype))
     tokenizer = engine.tokenizer
     fmt = chat_format(tokenizer)
@@ -156,7 +158,12 @@ def _chat(args: argparse.Namespace) -> int:
             continue
         images = [{"type": "image_url", "image_url": {"url": path}} for path in args.image] if not history else []
         history.append({"role": "user", "content": [*images, {"type": "text", "text": line}] if images else line})
-        prompt = fmt.render(history, tokenizer, mode, **_slots(visuals))  # the images lead the first message
+        try:
+            prompt = fmt.render(history, tokenizer, mode, **_slots(visuals))  # the images lead the first message
+        except ValueError as err:  # text that is not valid Unicode: the line is dropped, the conversation kept
+            print(f"(not sent: {err})", flush=True)
+            history.pop()
+            continue
         budget = engine.max_model_len - len(prompt)
         if budget < 1:
             print("(the conversation fills the context; /reset to start over)", flush=True)
