@@ -82,3 +82,24 @@ def test_kda_learns_mqar_with_the_bounded_gate():
     losses = run.train(800)
     assert losses[-1] < losses[0] / 10
     assert run.accuracy() >= 0.9
+
+
+def test_a_batch_in_pieces_has_the_whole_batchs_mean_loss_and_gradient():
+    """`SyntheticRun.backward` accumulates pieces of rows (each its answers' summed loss over the whole batch's count):
+    the loss and gradient of the whole batch's mean, here on Stack, whose rows hold different numbers of answers."""
+    torch.manual_seed(0)
+    model = K3ForCausalLM(model_config("kda", width=64, head_dim=32, context=64)).double()
+    tokens, answer = TASKS["stack"](6, 32, torch.Generator().manual_seed(3))
+    counts = answer[:, 1:].sum(1)
+    assert len(set(counts.tolist())) > 1
+    logits, _ = model(tokens[:, :-1])
+    whole = torch.nn.functional.cross_entropy(logits[answer[:, 1:]], tokens[:, 1:][answer[:, 1:]])
+    expected = torch.autograd.grad(whole, list(model.parameters()), allow_unused=True)
+    run = SyntheticRun("stack", 32, model, batch=6, micro_tokens=64)  # 3 pieces of 2 rows
+    loss = run.backward(tokens, answer)
+    assert abs(loss - whole.item()) < 1e-12
+    for p, g in zip(model.parameters(), expected, strict=True):
+        if g is None:
+            assert p.grad is None or not p.grad.any()
+        else:
+            assert torch.allclose(p.grad, g, rtol=1e-10, atol=1e-13)
