@@ -384,7 +384,9 @@ def test_compiled_eagle_speculation_reads_the_features_eager_speculation_reads(t
     params = [SamplingParams(max_tokens=n, temperature=0) for n in (14, 8)]
 
     compiled = CompiledModel(model, batches=(2,), sizes=(1, 4), tuned=False)
-    compiled.decode(torch.zeros(2, 1, dtype=torch.long), DecoderState.stack([compiled._context(2)] * 2))  # no capture
+    with torch.no_grad():
+        context = model(torch.zeros(1, 2, dtype=torch.long), state=model.new_state(1))[1]
+    compiled.decode(torch.zeros(2, 1, dtype=torch.long), DecoderState.stack([context] * 2))  # no capture
     built = compiled.compilations
     fast, eager = Recording(draft, compile=True, tuned=False), Recording(draft)  # the draft's steps compiled too
     engine = Engine(model, tok, max_batch=2, compile=compiled, drafter=fast, num_draft_tokens=3, adaptive_draft=False)

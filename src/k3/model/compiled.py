@@ -51,6 +51,19 @@ def pieces(length: int, sizes: tuple[int, ...] = PREFILL_PIECES) -> list[int]:
     return out
 
 
+def _zeros(model: K3ForCausalLM, batch: int, length: int) -> Tensor:
+    """Token ids ``[batch, length]`` of zeros, on the model's device."""
+    return torch.zeros(batch, length, dtype=torch.long, device=model.device)
+
+
+def _context(step: CompiledStep | PackagedStep, length: int, chunk: int = 512) -> DecoderState:
+    """The state after ``length`` zero tokens, prefilled eagerly (``step.eager``) in chunks of ``chunk``."""
+    state = step.model.new_state(1)
+    for start in range(0, length, chunk):
+        state = step.eager(_zeros(step.model, 1, min(chunk, length - start)), state)[1]
+    return state
+
+
 def _stepping(method: Callable) -> Callable:
     """A `CompiledModel` step: the background compilation waits while it runs (`k3.model.background.Gate`)."""
     @functools.wraps(method)
@@ -144,23 +157,10 @@ class CompiledModel:
         graph = self._graph(("decode", self.bucket(input_ids.shape[0]), cached(state)), self.decode_step)
         if cached(state) < 2 or graph is None:
             return self._eager(input_ids, state)
-        batch, unpadded = input_ids.shape[0], state.padding is None
-        extra = self.bucket(batch) - batch
-        if extra:
-            kept = self._padded
-            if kept is not None and kept[0] is state:  # the rows this returned last step: continue its whole bucket
-                state = kept[1]
-            else:
-                first = state.select(slice(0, 1))
-                state = DecoderState.stack([state, *[first] * extra])
-            input_ids = torch.cat([input_ids, input_ids[:1].expand(extra, -1)])
-        elif unpadded:
-            state = replace(state, padding=state.row_padding())
-        self.graph_calls += 1
-        logits, after = graph(input_ids, state)
-        out = after.select(slice(0, batch)) if extra else after
-        out = replace(out, padding=None) if unpadded else out
-        self._padded = (out, after) if extra else None
+        batch, kept = input_ids.shape[0], self._padded
+        # the rows this returned last step: continue its whole bucket
+        logits, out, after = self._on_bucket(graph, input_ids, state, kept[1] if kept and kept[0] is state else None)
+        self._padded = (out, after) if self.bucket(batch) > batch else None
         return logits[:batch], out
 
     @_stepping
@@ -169,22 +169,31 @@ class CompiledModel:
         the logits of every position ``[B·T, V]`` (rows first) and the state with its `Replay`, as
         ``forward_groups(..., full=[True], replay=[True])``. Rows are padded to the decode bucket with copies of
         row 0, one graph per (bucket, T); on a cache of 0 or 1 positions it runs eagerly, as `decode`."""
-        batch, tokens, unpadded = input_ids.shape[0], input_ids.shape[1], state.padding is None
+        batch, tokens = input_ids.shape
         graph = self._graph(("verify", self.bucket(batch), tokens, cached(state, tokens)), self.verify_step)
         if cached(state, tokens) < 2 or graph is None:
             self.eager_calls += 1
             with torch.no_grad():
                 return self.model.forward_groups([(input_ids, state)], full=[True], replay=[True])[0]
+        logits, out, _ = self._on_bucket(graph, input_ids, state)
+        return logits[:batch * tokens], out
+
+    def _on_bucket(self, graph: CompiledStep | PackagedStep, input_ids: Tensor, state: DecoderState,
+                   bucket: DecoderState | None = None) -> tuple[Tensor, DecoderState, DecoderState]:
+        """``graph`` on the rows padded to their bucket with copies of row 0 (``bucket``: the whole padded state the
+        rows ``state`` came from, continued instead), an unpadded state as one padded by zeros: the graph's logits,
+        the rows' state (unpadded as it came) and the bucket's."""
+        batch, unpadded = input_ids.shape[0], state.padding is None
         extra = self.bucket(batch) - batch
         if extra:
-            state = DecoderState.stack([state, *[state.select(slice(0, 1))] * extra])
+            state = bucket if bucket is not None else DecoderState.stack([state, *[state.select(slice(0, 1))] * extra])
             input_ids = torch.cat([input_ids, input_ids[:1].expand(extra, -1)])
         elif unpadded:
             state = replace(state, padding=state.row_padding())
         self.graph_calls += 1
         logits, after = graph(input_ids, state)
         out = after.select(slice(0, batch)) if extra else after
-        return logits[:batch * tokens], replace(out, padding=None) if unpadded else out
+        return logits, replace(out, padding=None) if unpadded else out, after
 
     @_stepping
     def prefill_rows(self, input_ids: Tensor, state: DecoderState,
@@ -361,28 +370,17 @@ class CompiledModel:
         kind, side = family[0], family[-1]
         step = step or self._steps()[kind]
         if side not in contexts:
-            contexts[side] = self._context({0: 0, 2: 2, 3: CASCADE_SUM}[side])
+            contexts[side] = _context(self.decode_step, {0: 0, 2: 2, 3: CASCADE_SUM}[side])
         if kind == "prefill":
-            step(self._zeros(1, family[1]), contexts[side])
+            step(_zeros(self.model, 1, family[1]), contexts[side])
             return
         batch, tokens = family[1], 1 if kind == "decode" else family[2]
         state = DecoderState.stack([contexts[side]] * batch)
-        step(self._zeros(batch, tokens), state if state.padding is not None else
+        step(_zeros(self.model, batch, tokens), state if state.padding is not None else
              replace(state, padding=state.row_padding()))
 
     def _graph(self, family: tuple, traced: CompiledStep) -> CompiledStep | None:
         """The step a call of ``family`` runs on: ``traced`` (compiled on first use), or while compiling in the
         background the one built for it so far (None: not yet, eagerly)."""
         return traced if self.ready is None else self.ready.get(family)
-
-    def _zeros(self, batch: int, length: int) -> Tensor:
-        """Token ids ``[batch, length]`` of zeros, on the model's device."""
-        return torch.zeros(batch, length, dtype=torch.long, device=self.model.device)
-
-    def _context(self, length: int, chunk: int = 512) -> DecoderState:
-        """The state after ``length`` zero tokens, prefilled eagerly in chunks of ``chunk``."""
-        state = self.model.new_state(1)
-        for start in range(0, length, chunk):
-            state = self.decode_step.eager(self._zeros(1, min(chunk, length - start)), state)[1]
-        return state
 
