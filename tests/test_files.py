@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+import stat
 import time
 from pathlib import Path
 
@@ -54,6 +55,22 @@ def test_an_unwritable_path_is_an_oserror_naming_it(tmp_path, where):
     with pytest.raises(OSError, match=re.escape(f"cannot write {path}: ")):
         write_text(path, "x")
     assert sorted(os.listdir(tmp_path)) == ["dir", "file"] and os.listdir(tmp_path / "dir") == []
+
+
+@pytest.mark.parametrize("link", [False, True])
+def test_a_target_that_is_not_a_regular_file_is_refused_not_replaced(tmp_path, link):
+    """``k3 chats --out /dev/full`` (as root) replaced the device node with a regular file: a FIFO here, reached
+    directly or through a link, stays a FIFO and nothing is left beside it."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    path = fifo
+    if link:
+        path = tmp_path / "link"
+        path.symlink_to(fifo)
+    with pytest.raises(OSError, match=re.escape(f"cannot write {path}: it is a FIFO, not a regular file: refused")):
+        write_text(path, "x")
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode) and path.exists()
+    assert sorted(os.listdir(tmp_path)) == sorted({"fifo", path.name})
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])

@@ -44,8 +44,10 @@ _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"), (
 def atomic_write(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path beside ``path`` to write (``open``, ``safetensors.save_file``, ``savefig``…); when the
     block completes it is fsynced and renamed to ``path``. Any exception removes it and leaves ``path`` untouched;
-    an OSError (or a writer's own error type) is re-raised as an OSError naming ``path``."""
+    an OSError (or a writer's own error type) is re-raised as an OSError naming ``path``. A ``path`` that exists and
+    is not a regular file (links followed: a device, a FIFO, a directory) is refused, never replaced."""
     path = Path(path)
+    _check_replaceable(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
         os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))  # the umask applies, as to open()
@@ -63,6 +65,19 @@ def atomic_write(path: str | os.PathLike) -> Iterator[Path]:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def _check_replaceable(path: Path) -> None:
+    """An OSError naming ``path`` if it exists and is not a regular file (`atomic_write` would replace it)."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return
+    except OSError as err:
+        raise OSError(f"cannot write {path}: {err}") from err
+    if not stat.S_ISREG(mode):
+        kind = next((name for test, name in _KINDS if test(mode)), "not a regular file")
+        raise OSError(f"cannot write {path}: it is {kind}, not a regular file: refused")
 
 
 def write_bytes(path: str | os.PathLike, data: bytes) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import pytest
@@ -328,6 +329,16 @@ def test_write_and_read_chats(records, tmp_path):
             read_chats(broken)
     with pytest.raises(ValueError, match="record 1"):
         write_chats(tmp_path / "x.jsonl", [records[0], {**records[1], "domain": "art"}])
+
+
+def test_read_chats_refuses_what_is_not_a_regular_file(tmp_path):
+    """``read_chats`` of a FIFO blocked forever and of ``/dev/zero`` read until memory ran out: both are refused."""
+    fifo = tmp_path / "fifo.jsonl"
+    os.mkfifo(fifo)
+    (tmp_path / "zero.jsonl").symlink_to("/dev/zero")
+    for path, kind in ((fifo, "a FIFO"), (tmp_path / "zero.jsonl", "a character device")):
+        with pytest.raises(ValueError, match=re.escape(f"{path}: {kind}, not a regular file: refused")):
+            read_chats(path)
 
 
 def test_plain_texts_and_tools(records):

@@ -4,7 +4,9 @@ the held-out loss improving on a tiny model, exact resume and the refusal to ove
 from __future__ import annotations
 
 import json
+import os
 import random
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -17,6 +19,7 @@ import serving
 from k3.config import preset
 from k3.model.checkpoint import load_model, save_model
 from k3.model.lm import K3ForCausalLM
+from k3.rl import sft
 from k3.rl.policy import pad_sequences
 from k3.rl.sft import (SFTConfig, SFTRun, _prefix_length, batch_indices, batch_loss, encode_chats, held_out,
                        load_chats, run_sft, supervised_ids)
@@ -176,6 +179,22 @@ def test_load_chats_names_file_and_line(tmp_path, line, match):
     path = tmp_path / "chats.jsonl"
     path.write_text(f"{good}\n{line}\n")
     with pytest.raises(ValueError, match=f"{path}: {match}"):
+        load_chats(path)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "link to /dev/zero", "too large"])
+def test_load_chats_reads_only_a_regular_file_of_bounded_size(tmp_path, monkeypatch, kind):
+    """``k3 sft --data /dev/zero`` read until the kernel killed it for memory: a FIFO, a device and a file past the
+    data limit are refused by name before anything is read."""
+    path = tmp_path / "chats.jsonl"
+    if kind == "fifo":
+        os.mkfifo(path)  # nobody writes: reading it would block forever
+    elif kind == "link to /dev/zero":
+        path.symlink_to("/dev/zero")
+    else:
+        path.write_text(json.dumps(arithmetic_chats(1, seed=0)[0]) + "\n")
+        monkeypatch.setattr(sft, "DATA_LIMIT", 16)
+    with pytest.raises(ValueError, match=re.escape(f"{path}: cannot read the chat data")):
         load_chats(path)
 
 

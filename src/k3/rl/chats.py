@@ -11,6 +11,7 @@ and uses the system prompt of effort ``low``.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 from collections.abc import Sequence
@@ -20,7 +21,7 @@ from typing import Any
 from k3.rl.agent import TOOLS, episode_messages
 from k3.rl.domains import DOMAINS, EFFORTS, SPLITS, Task, assistant_message, generate, system_prompt
 from k3.chat.native import MODES, format_tool_calls, normalize
-from k3.files import write_text
+from k3.files import DATA_LIMIT, open_regular, write_text
 
 __all__ = ["chat_records", "plain_texts", "read_chats", "record", "write_chats"]
 
@@ -87,7 +88,7 @@ def write_chats(path: str | os.PathLike[str], records: Sequence[dict]) -> Path:
 def read_chats(path: str | os.PathLike[str]) -> list[dict]:
     """The records of a ``chats.jsonl`` (blank lines skipped); ``ValueError`` naming ``path:line`` for a bad one."""
     out = []
-    with open(path, encoding="utf-8") as f:
+    with io.TextIOWrapper(open_regular(path, DATA_LIMIT), encoding="utf-8") as f:  # a FIFO or a device is refused
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue

@@ -45,6 +45,7 @@ from k3.model.lm import K3ForCausalLM
 from k3.model.packed import PackedExperts
 from k3.rl.policy import pad_sequences
 from k3.chat.native import MODES, render
+from k3.files import DATA_LIMIT, open_regular, read_text
 from k3.tokenization.bpe import Tokenizer
 from k3.train import checkpoint as train_ckpt
 from k3.train.data import masked_loss_sum
@@ -112,8 +113,8 @@ def supervised_ids(record: dict[str, Any], tokenizer: Tokenizer) -> Example:
 def load_chats(path: Path) -> list[Chat]:
     """The chats of a JSONL file (blank lines skipped); a malformed line is a ValueError naming file and line."""
     try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as err:
+        lines = read_text(path, DATA_LIMIT).splitlines()  # a regular file: a FIFO or /dev/zero is refused, not read
+    except (OSError, ValueError) as err:
         raise ValueError(f"{path}: cannot read the chat data ({err})") from err
     chats = []
     for number, line in enumerate(lines, 1):
@@ -224,7 +225,7 @@ class SFTConfig:
 
 # ---------------------------------------------------------------------- the run
 def _data_sha256(path: Path) -> str:
-    with Path(path).open("rb") as f:
+    with open_regular(path, DATA_LIMIT) as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
