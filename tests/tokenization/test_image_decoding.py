@@ -5,6 +5,8 @@ decompressed, only the named formats are opened, and animated images are refused
 from __future__ import annotations
 
 import io
+import os
+import re
 import subprocess
 import sys
 import zlib
@@ -13,6 +15,7 @@ import pytest
 from PIL import Image
 
 from pictures import encoded, png
+from k3.tokenization import image
 from k3.tokenization.image import IMAGE_FORMATS, decode_image, decoded_bytes
 
 MODES = {"1": 1, "L": 1, "P": 1, "I;16": 1, "I": 1, "F": 1.0, "LA": (1, 1), "PA": (1, 1), "RGB": (1, 1, 1),
@@ -91,3 +94,21 @@ def test_animated_images_are_refused(fmt):
     with pytest.raises(ValueError, match=f"image is an animated {fmt}"):
         decode_image(animated)
     assert decode_image(encoded(frames[0], fmt)).size == (20, 10)  # one frame is a still image
+
+
+@pytest.mark.parametrize("kind", ["fifo", "link to /dev/zero", "too large", "missing"])
+def test_an_image_file_is_read_only_if_regular_and_bounded(tmp_path, monkeypatch, kind):
+    """``k3 chat --image /dev/zero`` read until the kernel killed it for memory: a FIFO, a device and a file past
+    `FILE_LIMIT` are refused by name before anything is read; a missing file is a ValueError too."""
+    path = tmp_path / "picture.png"
+    if kind == "fifo":
+        os.mkfifo(path)  # nobody writes: reading it would block forever
+    elif kind == "link to /dev/zero":
+        path.symlink_to("/dev/zero")
+    elif kind == "too large":
+        path.write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(100))
+        monkeypatch.setattr(image, "FILE_LIMIT", 16)
+    with pytest.raises(ValueError, match=re.escape(str(path))):
+        decode_image(path)
+    with pytest.raises(ValueError, match=re.escape(str(path))):
+        decode_image(str(path))

@@ -29,10 +29,13 @@ import torch
 from PIL import Image, ImageMode, UnidentifiedImageError
 from torch import Tensor
 
+from k3.files import read_bytes
+
 PATCH = 14
 MERGE = 2
 SIDE_LIMIT = 512  # patches per side at most (the release's patch_limit_on_one_side)
 MAX_PIXELS = 64 * 2**20  # decoded images larger than this are refused (decompression bombs)
+FILE_LIMIT = 256 * 2**20  # bytes of an image file `decode_image` reads at most
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF")  # what `decode_image` opens (Pillow's names); no other plugin is asked
 
 
@@ -75,7 +78,8 @@ def decode_image(data: bytes | str | Path, formats: tuple[str, ...] = IMAGE_FORM
     `decoded_bytes` exceed ``max_bytes``; anything unreadable, empty, animated or too large is a ValueError saying
     why."""
     try:
-        raw = Path(data).read_bytes() if isinstance(data, (str, Path)) else bytes(data)
+        # a file: regular (a FIFO or /dev/zero is refused, not read) and at most FILE_LIMIT bytes
+        raw = read_bytes(data, FILE_LIMIT) if isinstance(data, (str, Path)) else bytes(data)
     except OSError as err:
         raise ValueError(f"cannot read image {data}: {err.strerror or err}") from err
     if not raw:
