@@ -104,6 +104,18 @@ def test_resume_starts_where_the_stage_stands_and_cuts_the_metrics_back(tmp_path
         Metrics(path).start(1)
 
 
+def test_resume_reads_the_metrics_only_from_a_regular_file(tmp_path):
+    """A ``metrics.jsonl`` that is a link to ``/dev/zero`` was read until memory ran out: refused by name, and left
+    as it was."""
+    path = tmp_path / "metrics.jsonl"
+    path.symlink_to("/dev/zero")
+    with pytest.raises(ValueError, match=re.escape(f"{path}: a character device, not a regular file: refused")):
+        Metrics(path).start(1)
+    with pytest.raises(ValueError, match=re.escape(f"{path}: a character device")):
+        read_metrics(path)
+    assert path.is_symlink()
+
+
 def test_a_fresh_run_logs_its_opening_record_first(tmp_path):
     stage = Counting(tmp_path, Loop(steps=2, ckpt_every=2, eval_every=2, progress=False), opening=True)
     drive(stage)

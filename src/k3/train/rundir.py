@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from k3.files import atomic_write, write_text
+from k3.files import DATA_LIMIT, atomic_write, read_text, write_text
 from k3.model import checkpoint as model_ckpt
 from k3.train import checkpoint as train_ckpt
 
@@ -39,7 +39,7 @@ def open_run(out: Path, resume: bool, verify: Callable[[Path], None] = train_ckp
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     """The records of a ``metrics.jsonl`` (blank lines skipped)."""
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [json.loads(line) for line in read_text(path, DATA_LIMIT).splitlines() if line.strip()]
 
 
 class Metrics:
@@ -59,7 +59,7 @@ class Metrics:
         write_text(self.path, "".join(line + "\n" for line in kept))
 
     def _records_until(self, step: int) -> list[str]:
-        lines = self.path.read_text().splitlines() if self.path.exists() else []
+        lines = read_text(self.path, DATA_LIMIT).splitlines() if self.path.exists() else []
         kept = []
         for number, line in enumerate(lines, 1):
             if not line.strip():
