@@ -62,6 +62,8 @@ def test_routing_key_is_the_leading_content():
     assert completion(ids + [1]) == completion(ids + [2]) == completion([ids]) != completion(ids[1:])
     assert routing_key("/health", b"") != routing_key("/v1/models", b"") == routing_key("/v1/models", b"")
     assert routing_key("/tokenize", b"{not json") == b"/tokenize\0{not json"
+    deep = b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"  # json.loads: RecursionError (was a 500)
+    assert routing_key("/v1/completions", deep) == b"/v1/completions\0" + deep
 
 
 def test_restart_backoff_doubles_up_to_its_cap_and_starts_over_after_a_stable_run():
@@ -168,6 +170,15 @@ def chat(api: openai.OpenAI, messages: list[dict], max_tokens: int = 3) -> tuple
     return int(raw.headers["x-k3-replica"]), raw.parse().choices[0].message.content
 
 
+def raw_request(url: str, line: bytes) -> bytes:
+    """The whole answer to ``line`` (``METHOD TARGET``, sent as it is over a socket, with the key)."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(line + b" HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode()
+                     + b"\r\nConnection: close\r\n\r\n")
+        return b"".join(iter(lambda: sock.recv(65536), b""))
+
+
 def test_router_status_needs_the_key_and_names_no_replica_url(fleet):
     url, replicas = fleet
     refused = httpx.get(url + "/router/status", timeout=5)
@@ -221,6 +232,13 @@ def test_streams_pass_through_and_client_errors_are_not_retried(fleet):
         client(url, key="wrong").completions.create(**request)
     with pytest.raises(openai.BadRequestError):
         api.completions.create(**{**request, "max_tokens": 1000})  # over the replicas' context: their 400
+    deep = httpx.post(url + "/v1/completions", content=b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+                      headers={"authorization": f"Bearer {KEY}", "content-type": "application/json"}, timeout=30)
+    assert deep.status_code == 400 and "not valid JSON" in deep.json()["error"]["message"]  # the router's was a 500
+    # a target past httpx's URL limit was a 500; "@evil.example/…" was relayed to http://127.0.0.1:PORT@evil.example
+    for target, code in ((b"/v1/models?" + b"a" * 70_000, 414), (b"@evil.example/v1/models", 400), (b"*", 400)):
+        answer = raw_request(url, b"OPTIONS " + target)
+        assert answer.startswith(b"HTTP/1.1 %d " % code) and b'"invalid_url"' in answer, answer[:300]
     assert status(url)["retries"] == before
 
 

@@ -17,7 +17,8 @@ is passed on: the replicas check the key (the router's `Guard` checks it too whe
 
 Admission: requests with a body are "long" beyond ``long_threshold`` bytes and "short" otherwise; each kind
 has its own concurrency budget, beyond which the router answers 429 with ``Retry-After`` — so a few huge
-prompts cannot starve short chats, nor the other way round.
+prompts cannot starve short chats, nor the other way round. Only a path (a target beginning with ``/``) is relayed:
+``GET @host/…`` would otherwise name another host after the replica's URL, ``OPTIONS *`` none.
 
 ``GET /router/status`` reports the replicas by index, in the order given (in the ring or not, how often each was
 the primary choice and how many answers it served), the retries and the budgets; every relayed answer names its
@@ -105,22 +106,28 @@ def _lead_prompt(prompt: object) -> str | list | None:
 
 
 def routing_key(path: str, body: bytes) -> bytes:
-    """The bytes that place a request (module docstring); a request with neither ``messages`` nor ``prompt``
-    is placed by its path and body."""
+    """The bytes that place a request (module docstring); a request with neither ``messages`` nor ``prompt``, or
+    whose body is not JSON (nested past Python's recursion limit included: the replica refuses it), is placed by its
+    path and body."""
     try:
         data = json.loads(body) if body else None
-    except ValueError:
-        data = None
-    if isinstance(data, dict) and isinstance(data.get("messages"), list):
+        key = _content_key(data) if isinstance(data, dict) else None
+    except (ValueError, RecursionError):
+        key = None
+    return key if key is not None else path.encode() + b"\0" + body
+
+
+def _content_key(data: dict) -> bytes | None:
+    """A chat's leading system and user messages, or a completion's leading prompt; None without either."""
+    if isinstance(data.get("messages"), list):
         messages = [m for m in data["messages"] if isinstance(m, dict)]
         system = next((m for m in messages if m.get("role") in ("system", "developer")), None)
         user = next((m for m in messages if m.get("role") == "user"), None)
         lead = [{"role": m.get("role"), "content": m.get("content")} for m in (system, user) if m is not None]
         if lead:
             return b"chat:" + _canonical(lead)
-    if isinstance(data, dict) and (prompt := _lead_prompt(data.get("prompt"))) is not None:
-        return b"prompt:" + _canonical(prompt)
-    return path.encode() + b"\0" + body
+    prompt = _lead_prompt(data.get("prompt"))
+    return None if prompt is None else b"prompt:" + _canonical(prompt)
 
 
 @dataclass
@@ -259,7 +266,10 @@ class Router:
             relay.result()
 
     async def _relay(self, scope: Scope, body: bytes, send: Send) -> None:
-        choices = self.ring.lookup(routing_key(scope["path"], body))
+        if not (scope.get("raw_path") or scope["path"].encode()).startswith(b"/"):  # "@host/…" would name a host
+            return await send_json(send, 400, error_body("the request target must be a path beginning with '/'",
+                                                         "invalid_request_error", code="invalid_url"))
+        choices = self.ring.lookup(await asyncio.to_thread(routing_key, scope["path"], body))  # off the event loop
         if not choices:
             return await send_json(send, 503, error_body("no replica is available", "server_error",
                                                       code="no_replica"), [(b"retry-after", b"1")])
@@ -276,8 +286,13 @@ class Router:
         if scope.get("query_string"):
             target += b"?" + scope["query_string"]
         headers = [(k, v) for k, v in scope["headers"] if k.lower() not in HOP_BY_HOP]
-        request = self._client.build_request(scope["method"], replica.url + target.decode("latin-1"),
-                                             headers=headers, content=body)
+        try:
+            request = self._client.build_request(scope["method"], replica.url + target.decode("latin-1"),
+                                                 headers=headers, content=body)
+        except httpx.InvalidURL as err:  # longer than httpx's 65,536 characters, say: refused, nothing sent
+            await send_json(send, 414 if "too long" in str(err) else 400, error_body(
+                f"the request's URL cannot be relayed: {err}", "invalid_request_error", code="invalid_url"))
+            return True
         try:
             response = await self._client.send(request, stream=True)
         except httpx.TransportError as err:
