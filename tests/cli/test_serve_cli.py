@@ -234,7 +234,7 @@ def test_serving_runs_without_the_training_package(ckpt):
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
-@pytest.mark.parametrize("value", ["gpu", "tpu:0", "cuda:x"] + ([] if torch.cuda.is_available() else ["cuda"]))
+@pytest.mark.parametrize("value", ["gpu", "tpu:0", "cuda:x", "cpu:7"] + ([] if torch.cuda.is_available() else ["cuda"]))
 @pytest.mark.parametrize("command", ["generate", "serve", "chat"])
 def test_a_device_this_machine_lacks_is_refused_naming_the_flag(tmp_path, capsys, command, value):
     with pytest.raises(SystemExit) as exit_:

@@ -64,7 +64,7 @@ def device_type(text: str) -> str:
         raise argparse.ArgumentTypeError(f"expected auto, cpu, cuda or cuda:N, got {text!r}") from err
     if device.type == "cuda" and not (torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count()):
         raise argparse.ArgumentTypeError(f"{text}: no such CUDA device here ({torch.cuda.device_count()} visible)")
-    if device.type not in ("cpu", "cuda"):
+    if device.type not in ("cpu", "cuda") or (device.type == "cpu" and device.index not in (None, 0)):  # one CPU
         raise argparse.ArgumentTypeError(f"expected auto, cpu, cuda or cuda:N, got {text!r}")
     return text
 
