@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 
@@ -33,6 +34,8 @@ from k3.dist.mesh import World
 from k3.train import sharded
 from k3.train.driver import drive
 from k3.train.pretrain import DEFAULT_TOKENS_PER_RANK, PANELS, Run, TrainConfig, resumed, tokens_per_step_for, train
+
+RANKS_PER_CORE = 4  # `check_local_world`: CPU ranks one machine starts at most, per core
 
 
 def check_layout(config: TrainConfig, layout: ParallelLayout) -> ParallelLayout:
@@ -155,6 +158,8 @@ def train_command(config: TrainConfig, resume: bool, argv: list[str], nproc: int
     world = int(os.environ.get("WORLD_SIZE", nproc or 1))  # torchrun sets WORLD_SIZE on every rank
     if nproc is not None and nproc != world:
         raise ValueError(f"--nproc {nproc} disagrees with WORLD_SIZE={world} set by the launcher")
+    if nproc is not None and "WORLD_SIZE" not in os.environ:
+        check_local_world(nproc)
     parallel = check_layout(config, ParallelLayout.for_world(world, **layout))
     if redundant_slots is not None:
         local = config.model_config().moe.num_experts // parallel.ep
@@ -182,6 +187,19 @@ def _without_flag(argv: list[str], flag: str) -> list[str]:
         elif not arg.startswith(flag + "="):
             out.append(arg)
     return out
+
+
+def check_local_world(nproc: int) -> None:
+    """Refuse ``--nproc`` beyond what this machine can run: one process per accelerator where there are any, else
+    `RANKS_PER_CORE` per CPU core (each rank holds its own Python, torch and shard; ``--nproc 1000`` on 2 cores ran
+    the machine out of memory). More ranks than that: torchrun across machines."""
+    if torch.accelerator.is_available():
+        count, what = torch.accelerator.device_count(), f"{torch.accelerator.current_accelerator().type} devices"
+    else:
+        count, what = RANKS_PER_CORE * (os.cpu_count() or 1), f"CPU processes ({RANKS_PER_CORE} per core)"
+    if nproc > count:
+        raise ValueError(f"--nproc {nproc}: this machine runs at most {count} {what}; for more, start torchrun on "
+                         f"several machines")
 
 
 def threads_per_rank(local_world: int) -> int:
