@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 
 import pytest
 
@@ -194,12 +195,14 @@ def test_compile_packages_puts_the_engines_tuned_steps_on_packages_and_needs_com
     (["serve", "--ckpt", "c", "--port", "65535", "--replicas", "2"],
      "--port 65535: with --replicas 2 it must lie in 1..65533 (the replicas listen on PORT+1..PORT+2)"),
     (["serve", "--ckpt", "c", "--port", "0", "--replicas", "2"], "--port 0: with --replicas 2 it must lie in"),
+    (["serve", "--ckpt", "c", "--replicas", str(4 * (os.cpu_count() or 1) + 1)], "this machine runs at most"),
     (["serve", "--ckpt", "c", "--max-model-len", "0"], "argument --max-model-len: expected a positive number, got 0"),
     (["serve", "--ckpt", "c", "--threads", "0"], "argument --threads: expected a positive number, got 0"),
 ])
 def test_ports_seeds_and_limits_out_of_range_are_refused_by_flag_before_anything_runs(argv, message, capsys):
-    """A port beyond 65,535 (a bind traceback after the model had loaded), a seed torch cannot take, a NaN data limit
-    and replicas whose ports run past the last are refused by name, with no traceback."""
+    """A port beyond 65,535 (a bind traceback after the model had loaded), a seed torch cannot take, a NaN data limit,
+    replicas whose ports run past the last and more replicas than the machine can hold (1000 would each load the
+    model) are refused by name, with no traceback."""
     from k3.cli import main
 
     try:
