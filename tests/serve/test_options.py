@@ -197,7 +197,9 @@ def test_compile_packages_puts_the_engines_tuned_steps_on_packages_and_needs_com
     (["serve", "--ckpt", "c", "--port", "0", "--replicas", "2"], "--port 0: with --replicas 2 it must lie in"),
     (["serve", "--ckpt", "c", "--replicas", str(4 * (os.cpu_count() or 1) + 1)], "this machine runs at most"),
     (["serve", "--ckpt", "c", "--max-model-len", "0"], "argument --max-model-len: expected a positive number, got 0"),
-    (["serve", "--ckpt", "c", "--threads", "0"], "argument --threads: expected a positive number, got 0"),
+    (["serve", "--ckpt", "c", "--threads", "0"], "argument --threads: expected an integer in [1, "),
+    (["train", "--threads", "100000"], "argument --threads: expected an integer in [1, "),  # was a segfault
+    (["sft", "--ckpt", "c", "--data", "d", "--out", "o", "--threads", "100000"], "argument --threads: expected an"),
 ])
 def test_ports_seeds_and_limits_out_of_range_are_refused_by_flag_before_anything_runs(argv, message, capsys):
     """A port beyond 65,535 (a bind traceback after the model had loaded), a seed torch cannot take, a NaN data limit,

@@ -8,7 +8,7 @@ import argparse
 from typing import Any
 
 from k3.rl.domains import DOMAINS, EFFORTS
-from k3.serve.options import SEED, positive
+from k3.serve.options import SEED, THREADS, positive
 
 
 def _chats(args: argparse.Namespace) -> int:
@@ -78,7 +78,7 @@ def _common(p: argparse.ArgumentParser, steps: int) -> None:
     p.add_argument("--eval-every", type=positive(int), default=5)
     p.add_argument("--ckpt-every", type=positive(int), default=5)
     p.add_argument("--seed", type=SEED, default=0)
-    p.add_argument("--threads", type=positive(int), help="torch threads (default: torch's)")
+    p.add_argument("--threads", type=THREADS, help="torch threads (default: torch's)")
     p.add_argument("--no-progress", action="store_true")
 
 

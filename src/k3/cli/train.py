@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from k3.config import PACKED_ACTIVATIONS, PRESETS
-from k3.serve.options import SEED, positive
+from k3.serve.options import SEED, THREADS, positive
 
 
 def _curriculum(text: str) -> list[list[float]]:
@@ -157,7 +157,7 @@ def _add_train(commands: argparse._SubParsersAction) -> None:
     tr.add_argument("--eval-seq-len", type=positive(int), default=256,
                     help="validation window length (the same at every evaluation, whatever the curriculum)")
     tr.add_argument("--ckpt-every", type=int, default=50)
-    tr.add_argument("--threads", type=positive(int), help="torch threads (default: the cores other processes leave "
+    tr.add_argument("--threads", type=THREADS, help="torch threads (default: the cores other processes leave "
                     "free, re-measured every few seconds)")
     tr.add_argument("--max-minutes", type=float, help="stop after this much wall time (a checkpoint is written)")
     tr.add_argument("--seed", type=SEED, default=0)
@@ -222,7 +222,7 @@ def _add_train_draft(commands: argparse._SubParsersAction) -> None:
     td.add_argument("--ckpt-every", type=positive(int), default=100)
     td.add_argument("--max-minutes", type=positive(float, zero=True),
                     help="stop after this much wall time (with a checkpoint)")
-    td.add_argument("--threads", type=positive(int), help="torch threads (default: torch's)")
+    td.add_argument("--threads", type=THREADS, help="torch threads (default: torch's)")
     td.add_argument("--no-progress", action="store_true")
     td.set_defaults(run=_train_draft)
 

@@ -12,6 +12,7 @@ This is the engine's face: it never imports the HTTP layers (`k3.serve.api`, `k3
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -47,6 +48,7 @@ def integer(low: int, high: int) -> Callable[[str], int]:
 
 SEED = integer(0, 2**63 - 1)  # what torch's generators and numpy's take alike
 PORT = integer(0, 65535)  # 0: any free port
+THREADS = integer(1, 4 * (os.cpu_count() or 1))  # torch threads: up to 4 per core (100,000 crashed torch)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 MAX_LOOKUP = 32  # --prompt-lookup-max: the longest suffix the n-gram drafter may look up (its work per token)
 
@@ -209,7 +211,7 @@ class EngineOptions:
     @staticmethod
     def add_threads_argument(parser: argparse.ArgumentParser) -> None:
         """``k3 serve --threads``."""
-        parser.add_argument("--threads", type=positive(int), help="torch intra-op threads (default: all cores but "
+        parser.add_argument("--threads", type=THREADS, help="torch intra-op threads (default: all cores but "
                             "one, which is left to the HTTP server)")
 
     @staticmethod
