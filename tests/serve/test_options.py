@@ -198,6 +198,12 @@ def test_compile_packages_puts_the_engines_tuned_steps_on_packages_and_needs_com
     (["serve", "--ckpt", "c", "--replicas", str(4 * (os.cpu_count() or 1) + 1)], "this machine runs at most"),
     (["serve", "--ckpt", "c", "--max-model-len", "0"], "argument --max-model-len: expected a positive number, got 0"),
     (["serve", "--ckpt", "c", "--threads", "0"], "argument --threads: expected an integer in [1, "),
+    # an empty key let an empty bearer token in; a key with a space cannot be sent
+    (["serve", "--ckpt", "c", "--api-key", ""], "argument --api-key: expected a non-empty key of visible ASCII"),
+    (["route", "--replica", "http://127.0.0.1:1", "--api-key", "a b"], "argument --api-key: expected a non-empty"),
+    # the router started and waited for replicas it could never reach (or, with user info, named another host)
+    *[(["route", "--replica", url], f"replica {url!r}: expected a base URL") for url in
+      ("ftp://x", "notaurl", "http://", "http://u:p@127.0.0.1:1", "http://127.0.0.1:1/v1?x=1")],
     (["train", "--threads", "100000"], "argument --threads: expected an integer in [1, "),  # was a segfault
     (["sft", "--ckpt", "c", "--data", "d", "--out", "o", "--threads", "100000"], "argument --threads: expected an"),
 ])

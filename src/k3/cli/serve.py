@@ -9,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-from k3.serve.options import PORT, SEED, EngineOptions, add_placement_arguments, load, positive
+from k3.serve.options import PORT, SEED, EngineOptions, add_placement_arguments, api_key, load, positive
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -279,7 +279,7 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     sub.add_argument("--replicas", type=positive(int), default=1,
                      help="engine processes behind a cache-aware router (k3 route): replicas on ports "
                           "PORT+1..PORT+N, the router on --port (default: %(default)s, no router)")
-    sub.add_argument("--api-key", help="require 'Authorization: Bearer KEY'")
+    sub.add_argument("--api-key", type=api_key, help="require 'Authorization: Bearer KEY'")
     sub.add_argument("--model-name", help="the served model id (default: the checkpoint directory name)")
     sub.add_argument("--compile-wait", action="store_true", help="with --compile, build every graph before "
                      "listening (default: listen at once, serve eagerly and switch each shape family to its graph "
@@ -309,8 +309,8 @@ def _add_route(commands: argparse._SubParsersAction) -> None:
                     help="a replica's base URL, e.g. http://127.0.0.1:8001 (repeat the flag for each)")
     ro.add_argument("--host", default="127.0.0.1")
     ro.add_argument("--port", type=PORT, default=8000)
-    ro.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (also for /router/status); the replicas "
-                    "get the same header")
+    ro.add_argument("--api-key", type=api_key, help="require 'Authorization: Bearer KEY' (also for /router/status); "
+                    "the replicas get the same header")
     ro.add_argument("--long-threshold", type=positive(int), default=32768,
                     help="body bytes beyond which a request is 'long' (default: %(default)s)")
     ro.add_argument("--short-budget", type=positive(int), default=64,

@@ -46,6 +46,14 @@ def integer(low: int, high: int) -> Callable[[str], int]:
     return parse
 
 
+def api_key(text: str) -> str:
+    """An argparse type for ``--api-key``: a token a client can send as ``Authorization: Bearer KEY`` (visible ASCII,
+    no space); an empty key would let an empty bearer token in."""
+    if not text or not all("!" <= c <= "~" for c in text):
+        raise argparse.ArgumentTypeError("expected a non-empty key of visible ASCII characters (no spaces)")
+    return text
+
+
 SEED = integer(0, 2**63 - 1)  # what torch's generators and numpy's take alike
 PORT = integer(0, 65535)  # 0: any free port
 THREADS = integer(1, 4 * (os.cpu_count() or 1))  # torch threads: up to 4 per core (100,000 crashed torch)

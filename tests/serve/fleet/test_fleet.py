@@ -19,10 +19,10 @@ import pytest
 import serving
 from gloo import free_port
 from k3.model.checkpoint import save_model
-from k3.serve.asgi.guard import Limits
+from k3.serve.asgi.guard import Guard, Limits
 from k3.serve.fleet.launch import replica_flags
 from k3.serve.fleet.replicas import FIRST_DELAY, MAX_DELAY, STABLE, Replicas
-from k3.serve.fleet.router import PROMPT_CHARS, PROMPT_IDS, HashRing, routing_key
+from k3.serve.fleet.router import PROMPT_CHARS, PROMPT_IDS, HashRing, Router, routing_key
 
 KEY, LONG_THRESHOLD = "k", 200  # the replicas' API key; bodies over 200 bytes are "long" (budget 1)
 
@@ -64,6 +64,17 @@ def test_routing_key_is_the_leading_content():
     assert routing_key("/tokenize", b"{not json") == b"/tokenize\0{not json"
     deep = b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"  # json.loads: RecursionError (was a 500)
     assert routing_key("/v1/completions", deep) == b"/v1/completions\0" + deep
+
+
+def test_replica_urls_and_an_empty_key_are_refused_at_construction():
+    """A router over ``notaurl`` ran and waited for it forever; an empty key let an empty bearer token in."""
+    for url in ("notaurl", "ftp://x", "http://u:p@127.0.0.1:1", "http://127.0.0.1:1#top"):
+        with pytest.raises(ValueError, match=f"replica {url!r}"):
+            Router([url])
+    assert list(Router(["http://127.0.0.1:1/", "https://host/base"]).replicas) == ["http://127.0.0.1:1",
+                                                                                 "https://host/base"]
+    with pytest.raises(ValueError, match="api_key: empty"):
+        Guard(Router(["http://127.0.0.1:1"]), Limits(), api_key=" ")
 
 
 def test_restart_backoff_doubles_up_to_its_cap_and_starts_over_after_a_stable_run():

@@ -95,6 +95,8 @@ class Guard:
     """ASGI middleware: draining, authentication and bounded body reading (see the module docstring)."""
 
     def __init__(self, app: ASGIApp, limits: Limits, api_key: str | None = None) -> None:
+        if api_key is not None and not api_key.strip():  # it would let an empty bearer token in
+            raise ValueError("api_key: empty; pass None for a server without a key")
         self.app, self.limits, self.api_key = app, limits, api_key
         self.draining = False
 

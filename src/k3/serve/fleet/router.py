@@ -130,6 +130,20 @@ def _content_key(data: dict) -> bytes | None:
     return None if prompt is None else b"prompt:" + _canonical(prompt)
 
 
+def base_url(url: str) -> str:
+    """``url`` as a replica's base URL (no trailing ``/``): http or https, a host, no user info, query or fragment
+    (a request target is appended to it); a ValueError naming it otherwise."""
+    try:
+        parsed = httpx.URL(url)
+    except httpx.InvalidURL as err:
+        raise ValueError(f"replica {url!r}: not a URL ({err})") from err
+    if parsed.scheme not in ("http", "https") or not parsed.host or parsed.userinfo or parsed.query \
+            or parsed.fragment:
+        raise ValueError(f"replica {url!r}: expected a base URL such as http://127.0.0.1:8001 (http or https, a "
+                         f"host, no user info, query or fragment)")
+    return url.rstrip("/")
+
+
 @dataclass
 class Budget:
     """A concurrency budget that refuses instead of queueing: a semaphore with a non-blocking acquire."""
@@ -182,7 +196,7 @@ class Router:
     def __init__(self, replicas: Sequence[str], *, long_threshold: int = 32768, short_budget: int = 64,
                  long_budget: int = 4, health_interval: float = 1.0, health_timeout: float = 1.0,
                  vnodes: int = 128) -> None:
-        urls = [url.rstrip("/") for url in replicas]
+        urls = [base_url(url) for url in replicas]
         if not urls or len(set(urls)) != len(urls):
             raise ValueError(f"replicas: expected distinct base URLs, got {list(replicas)}")
         self.replicas = {url: Replica(i, url) for i, url in enumerate(urls)}
