@@ -123,7 +123,8 @@ def _serve(args: argparse.Namespace) -> int:
     app = create_app(engine, name, api_key=args.api_key, default_mode=args.mode, limits=limits,
                      separate_reasoning=not args.reasoning_in_content, allowed_origins=args.allowed_origins)
     server = Server(app, host=args.host, port=args.port)
-    print(f"k3 serve: model {name!r} at http://{args.host}:{args.port}/v1 (context {engine.max_model_len} tokens)",
+    port = server.listen()  # --port 0: the free port chosen, printed
+    print(f"k3 serve: model {name!r} at http://{args.host}:{port}/v1 (context {engine.max_model_len} tokens)",
           flush=True)
     try:
         server.run()

@@ -190,6 +190,19 @@ def raw_request(url: str, line: bytes) -> bytes:
         return b"".join(iter(lambda: sock.recv(65536), b""))
 
 
+def test_port_0_prints_the_port_the_router_listens_on():
+    """``k3 route --port 0`` printed ``http://127.0.0.1:0/v1``: now the free port chosen, which then answers."""
+    router = launch("route", "--port", "0", "--replica", "http://127.0.0.1:1", output=subprocess.PIPE)
+    try:
+        line = router.stdout.readline().decode()
+        port = int(line.split("http://127.0.0.1:")[1].split("/")[0])
+        assert port > 0 and line.startswith("k3 route: 1 replicas behind"), line
+        assert httpx.get(f"http://127.0.0.1:{port}/router/status", timeout=10).status_code == 200
+    finally:
+        stop(router)
+        router.stdout.close()
+
+
 def test_router_status_needs_the_key_and_names_no_replica_url(fleet):
     url, replicas = fleet
     refused = httpx.get(url + "/router/status", timeout=5)

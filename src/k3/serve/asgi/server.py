@@ -98,6 +98,18 @@ class Server(uvicorn.Server):
             app, host=host, port=port, log_level=log_level, http=_protocol(limits),
             timeout_keep_alive=limits.keep_alive_timeout, timeout_graceful_shutdown=limits.drain_timeout,
             lifespan="off"))
+        self.socket: socket.socket | None = None
+
+    def listen(self) -> int:
+        """Bind the listening socket now, before `run` serves on it, and return its port (with ``port`` 0, the free
+        one the system chose, so that it can be printed)."""
+        self.socket = self.config.bind_socket()
+        self.socket.listen(self.config.backlog)  # a client that connects at once waits in the backlog until served
+        return self.socket.getsockname()[1]
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's ``serve`` (and so ``run``), on the socket `listen` bound if it was called."""
+        await super().serve(sockets=sockets or ([self.socket] if self.socket is not None else None))
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         self.guard.draining = True

@@ -41,6 +41,7 @@ def run_router(replicas: Sequence[str], host: str = "127.0.0.1", port: int = 800
         async with router:
             await server.serve()
 
+    port = server.listen()  # port 0: the free port chosen, printed
     print(f"k3 route: {len(router.replicas)} replicas behind http://{host}:{port}/v1", flush=True)
     asyncio.run(serve())
     print("k3 route: stopped", flush=True)
