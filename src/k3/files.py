@@ -67,6 +67,11 @@ def atomic_write(path: str | os.PathLike) -> Iterator[Path]:
         raise
 
 
+def _kind(mode: int) -> str:
+    """What a file of ``mode`` that is not a regular file is, for an error message."""
+    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
+
+
 def _check_replaceable(path: Path) -> None:
     """An OSError naming ``path`` if it exists and is not a regular file (`atomic_write` would replace it)."""
     try:
@@ -76,8 +81,7 @@ def _check_replaceable(path: Path) -> None:
     except OSError as err:
         raise OSError(f"cannot write {path}: {err}") from err
     if not stat.S_ISREG(mode):
-        kind = next((name for test, name in _KINDS if test(mode)), "not a regular file")
-        raise OSError(f"cannot write {path}: it is {kind}, not a regular file: refused")
+        raise OSError(f"cannot write {path}: it is {_kind(mode)}, not a regular file: refused")
 
 
 def write_bytes(path: str | os.PathLike, data: bytes) -> None:
@@ -100,8 +104,7 @@ def open_regular(path: str | os.PathLike, limit: int | None = None, links: bool 
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
-            kind = next((name for test, name in _KINDS if test(info.st_mode)), "not a regular file")
-            raise ValueError(f"{os.fspath(path)}: {kind}, not a regular file: refused")
+            raise ValueError(f"{os.fspath(path)}: {_kind(info.st_mode)}, not a regular file: refused")
         if limit is not None and info.st_size > limit:
             raise ValueError(_too_large(path, limit, f"{info.st_size:,} bytes"))
         return os.fdopen(fd, "rb")

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from k3.serve.options import PORT, SEED, EngineOptions, add_placement_arguments, api_key, load, positive
+from k3.sizing.machine import MOST_PER_MACHINE, PER_CORE
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -86,12 +87,11 @@ def _limit_flags(parser: argparse.ArgumentParser) -> None:
 
 def _serve(args: argparse.Namespace) -> int:
     if args.replicas > 1:
-        from k3.serve.fleet.launch import REPLICAS_PER_CORE, run_fleet
+        from k3.serve.fleet.launch import run_fleet
 
-        most = REPLICAS_PER_CORE * (os.cpu_count() or 1)  # each loads the model: 1000 would exhaust the memory
-        if args.replicas > most:
-            raise ValueError(f"--replicas {args.replicas}: this machine runs at most {most} ({REPLICAS_PER_CORE} per "
-                             f"CPU core); for more, start replicas on other machines behind k3 route")
+        if args.replicas > MOST_PER_MACHINE:  # each loads the model: 1000 would exhaust the memory
+            raise ValueError(f"--replicas {args.replicas}: this machine runs at most {MOST_PER_MACHINE} ({PER_CORE} "
+                             f"per CPU core); for more, start replicas on other machines behind k3 route")
         if not 0 < args.port <= 65535 - args.replicas:  # 0 (any free port) has no PORT+1
             raise ValueError(f"--port {args.port}: with --replicas {args.replicas} it must lie in "
                              f"1..{65535 - args.replicas} (the replicas listen on PORT+1..PORT+{args.replicas})")

@@ -12,11 +12,12 @@ This is the engine's face: it never imports the HTTP layers (`k3.serve.api`, `k3
 from __future__ import annotations
 
 import argparse
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from k3.sizing.machine import MOST_PER_MACHINE
 
 if TYPE_CHECKING:
     from k3.serve.engine import Engine
@@ -56,7 +57,7 @@ def api_key(text: str) -> str:
 
 SEED = integer(0, 2**63 - 1)  # what torch's generators and numpy's take alike
 PORT = integer(0, 65535)  # 0: any free port
-THREADS = integer(1, 4 * (os.cpu_count() or 1))  # torch threads: up to 4 per core (100,000 crashed torch)
+THREADS = integer(1, MOST_PER_MACHINE)  # torch threads (100,000 crashed torch)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 MAX_LOOKUP = 32  # --prompt-lookup-max: the longest suffix the n-gram drafter may look up (its work per token)
 

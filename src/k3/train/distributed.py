@@ -31,11 +31,10 @@ from k3.dist.fsdp import shard_model
 from k3.dist.muon import clip_grad_norm
 from k3.dist.layout import ParallelLayout
 from k3.dist.mesh import World
+from k3.sizing.machine import MOST_PER_MACHINE, PER_CORE
 from k3.train import sharded
 from k3.train.driver import drive
 from k3.train.pretrain import DEFAULT_TOKENS_PER_RANK, PANELS, Run, TrainConfig, resumed, tokens_per_step_for, train
-
-RANKS_PER_CORE = 4  # `check_local_world`: CPU ranks one machine starts at most, per core
 
 
 def check_layout(config: TrainConfig, layout: ParallelLayout) -> ParallelLayout:
@@ -191,12 +190,12 @@ def _without_flag(argv: list[str], flag: str) -> list[str]:
 
 def check_local_world(nproc: int) -> None:
     """Refuse ``--nproc`` beyond what this machine can run: one process per accelerator where there are any, else
-    `RANKS_PER_CORE` per CPU core (each rank holds its own Python, torch and shard; ``--nproc 1000`` on 2 cores ran
-    the machine out of memory). More ranks than that: torchrun across machines."""
+    `k3.sizing.memory.PER_CORE` per CPU core (each rank holds its own Python, torch and shard; ``--nproc 1000``
+    on 2 cores ran the machine out of memory). More ranks than that: torchrun across machines."""
     if torch.accelerator.is_available():
         count, what = torch.accelerator.device_count(), f"{torch.accelerator.current_accelerator().type} devices"
     else:
-        count, what = RANKS_PER_CORE * (os.cpu_count() or 1), f"CPU processes ({RANKS_PER_CORE} per core)"
+        count, what = MOST_PER_MACHINE, f"CPU processes ({PER_CORE} per core)"
     if nproc > count:
         raise ValueError(f"--nproc {nproc}: this machine runs at most {count} {what}; for more, start torchrun on "
                          f"several machines")

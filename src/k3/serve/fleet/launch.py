@@ -26,9 +26,7 @@ from k3.serve.asgi.server import Server
 from k3.serve.fleet.replicas import Replicas
 from k3.serve.fleet.router import Router
 
-__all__ = ["REPLICAS_PER_CORE", "replica_flags", "run_fleet", "run_router"]
-
-REPLICAS_PER_CORE = 4  # ``k3 serve --replicas``: engine processes one machine starts at most, per CPU core
+__all__ = ["replica_flags", "run_fleet", "run_router"]
 
 
 def run_router(replicas: Sequence[str], host: str = "127.0.0.1", port: int = 8000, limits: Limits | None = None,

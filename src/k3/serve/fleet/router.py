@@ -280,25 +280,26 @@ class Router:
             relay.result()
 
     async def _relay(self, scope: Scope, body: bytes, send: Send) -> None:
-        if not (scope.get("raw_path") or scope["path"].encode()).startswith(b"/"):  # "@host/…" would name a host
+        target = scope.get("raw_path") or scope["path"].encode()
+        if not target.startswith(b"/"):  # "@host/…" would name another host after a replica's URL
             return await send_json(send, 400, error_body("the request target must be a path beginning with '/'",
                                                          "invalid_request_error", code="invalid_url"))
+        if scope.get("query_string"):
+            target += b"?" + scope["query_string"]
         choices = self.ring.lookup(await asyncio.to_thread(routing_key, scope["path"], body))  # off the event loop
         if not choices:
             return await send_json(send, 503, error_body("no replica is available", "server_error",
                                                       code="no_replica"), [(b"retry-after", b"1")])
         self.replicas[choices[0]].primary += 1
         for attempt, url in enumerate(choices):
-            if await self._forward(self.replicas[url], scope, body, send, final=attempt == len(choices) - 1):
+            if await self._forward(self.replicas[url], scope, target, body, send, final=attempt == len(choices) - 1):
                 return
             self.retries += 1
 
-    async def _forward(self, replica: Replica, scope: Scope, body: bytes, send: Send, final: bool) -> bool:
-        """Relay the request to ``replica``: True once answered, False when it failed before a byte reached
-        the client and is to be retried (never when ``final``)."""
-        target = scope.get("raw_path") or scope["path"].encode()
-        if scope.get("query_string"):
-            target += b"?" + scope["query_string"]
+    async def _forward(self, replica: Replica, scope: Scope, target: bytes, body: bytes, send: Send,
+                       final: bool) -> bool:
+        """Relay the request (``target``: its path and query) to ``replica``: True once answered, False when it
+        failed before a byte reached the client and is to be retried (never when ``final``)."""
         headers = [(k, v) for k, v in scope["headers"] if k.lower() not in HOP_BY_HOP]
         try:
             request = self._client.build_request(scope["method"], replica.url + target.decode("latin-1"),
