@@ -23,6 +23,7 @@ from k3.train.data import (
     Document,
     PackedLoader,
     eval_batches,
+    load_corpus,
     load_documents,
     masked_loss_sum,
     masked_mean_loss,
@@ -179,6 +180,51 @@ def test_a_fifo_or_device_in_a_folder_is_refused_not_read(tmp_path, kind) -> Non
         (root / "b.txt").symlink_to("/dev/zero")  # reading it would never end
     with pytest.raises(ValueError, match=r"b\.txt: (a FIFO|a character device), not a regular file"):
         finishes(lambda: load_documents([root]))
+
+
+def test_the_data_limit_keeps_the_first_whole_files(tmp_path) -> None:
+    root = tmp_path / "corpus"
+    root.mkdir()
+    for name, size in (("a.txt", 400), ("b.txt", 400), ("c.txt", 100)):
+        (root / name).write_text("x" * size)
+    assert [d.name for d in load_documents([root], limit_bytes=900)] == ["corpus/a.txt", "corpus/b.txt", "corpus/c.txt"]
+    assert [d.name for d in load_documents([root], limit_bytes=899)] == ["corpus/a.txt", "corpus/b.txt"]
+    assert [d.name for d in load_documents([root], limit_bytes=400)] == ["corpus/a.txt"]
+    with pytest.raises(ValueError, match=r"a\.txt: 400 bytes of text, more than the data limit \(399 bytes\)"):
+        load_documents([root], limit_bytes=399)  # a first file past the limit is refused, not cut or skipped
+    assert load_corpus([root], 400) == load_documents([root], 400)
+    assert load_corpus(None, 10_000) == stdlib_documents(10_000)
+
+
+def test_a_parquet_file_counts_its_text_decompressed(tmp_path) -> None:
+    p = tmp_path / "bomb.parquet"
+    pq.write_table(pa.table({"text": ["a" * 2_000_000] * 4}), p, compression="zstd")
+    assert p.stat().st_size < 100_000  # the file alone would pass the limit below
+    with pytest.raises(ValueError, match=r"bomb\.parquet: [\d,]+ bytes of text, more than the data limit \(1,000,000"):
+        load_documents([p], limit_bytes=1_000_000)
+    assert len(load_documents([p], limit_bytes=9_000_000)) == 4
+
+
+def test_data_that_would_not_fit_in_memory_is_refused_before_it_is_read(tmp_path, monkeypatch) -> None:
+    import k3.train.corpus as corpus
+
+    (tmp_path / "a.txt").write_text("x" * 1000)
+    (tmp_path / "b.txt").write_text("y" * 1000)
+    available = 1500 * corpus.TOKENIZE_BYTES_PER_BYTE
+    monkeypatch.setattr(corpus, "available_bytes", lambda device: available)
+    assert corpus.tokenizable_bytes() == 1500
+    with pytest.raises(ValueError, match=r"up to .*b\.txt holds 2,000 bytes of text.*--data-limit-mb"):
+        load_documents([tmp_path])
+    assert [d.name for d in load_documents([tmp_path], limit_bytes=1200)] == [f"{tmp_path.name}/a.txt"]
+    monkeypatch.setattr(corpus, "available_bytes", lambda device: None)  # unknown: not bounded by memory
+    assert len(load_documents([tmp_path])) == 2
+
+
+def test_a_jsonl_line_nested_too_deeply_names_its_line(tmp_path) -> None:
+    p = tmp_path / "deep.jsonl"
+    p.write_text('{"text": "fine"}\n' + "[" * 100_000 + "]" * 100_000 + "\n")
+    with pytest.raises(ValueError, match=r"deep\.jsonl, line 2: invalid JSON \(nested too deeply\)"):
+        load_documents([p])
 
 
 def test_text_with_occasional_bad_bytes_is_still_text(tmp_path) -> None:

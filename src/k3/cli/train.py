@@ -130,7 +130,8 @@ def _add_train(commands: argparse._SubParsersAction) -> None:
     tr.add_argument("--data", nargs="*", help="text files/folders, .jsonl (text field), .parquet; default: the "
                     "Python standard library's source")
     tr.add_argument("--data-limit-mb", type=positive(float),
-                    help="use at most this much of the standard-library corpus")
+                    help="use at most this much of the corpus: the first whole files of --data, in order, or of the "
+                    "standard library's source")
     tr.add_argument("--out", default="runs/k3", help="run directory: checkpoints, metrics.jsonl, curves.png")
     tr.add_argument("--resume", action="store_true", help="continue the run in --out if it has a checkpoint")
     tr.add_argument("--tokens-per-step", type=int,
@@ -205,7 +206,8 @@ def _add_train_draft(commands: argparse._SubParsersAction) -> None:
     td.add_argument("--data", nargs="*", help="text files/folders, .jsonl, .parquet; default: the Python standard "
                     "library's source (as k3 train)")
     td.add_argument("--data-limit-mb", type=positive(float),
-                    help="use at most this much of the standard-library corpus")
+                    help="use at most this much of the corpus: the first whole files of --data, in order, or of the "
+                    "standard library's source")
     td.add_argument("--layer-kind", choices=("mla", "kda"), default="mla", help="the draft's sequence mixer")
     td.add_argument("--mask", choices=("eagle3", "causal"),
                     help="what an unrolled draft step attends to: eagle3 (the default for an MLA draft) sees the "

@@ -3,7 +3,8 @@
 Corpora (defined in :mod:`k3.train.corpus`, re-exported here)
     :func:`stdlib_documents` — the default corpus: the running Python's own standard-library source
     (always present, no download). :func:`load_documents` — user data: text files, folders,
-    ``.jsonl`` (a ``text`` field per line) and ``.parquet`` (a ``text`` column); binary files rejected.
+    ``.jsonl`` (a ``text`` field per line) and ``.parquet`` (a ``text`` column); binary files rejected; bounded by
+    a data limit and by the memory tokenizing takes. :func:`load_corpus` — either, as ``k3 train --data`` picks.
 
 Split
     :func:`split_documents` — deterministic train/validation split *by document*, from a SHA-256 of
@@ -36,7 +37,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from k3.train.corpus import STDLIB_EXCLUDED_DIRS, TEXT_EXTENSIONS, Document, load_documents, stdlib_documents
+from k3.train.corpus import (STDLIB_EXCLUDED_DIRS, TEXT_EXTENSIONS, Document, load_corpus, load_documents,
+                             stdlib_documents)
 
 __all__ = [
     "Document",
@@ -44,6 +46,7 @@ __all__ = [
     "TEXT_EXTENSIONS",
     "stdlib_documents",
     "load_documents",
+    "load_corpus",
     "MIN_SPLIT_CHARS",
     "split_documents",
     "tokenize_documents",

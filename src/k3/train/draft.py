@@ -45,7 +45,7 @@ from k3.model.checkpoint import atomic_directory, verified
 from k3.model.draft import DRAFT_CONFIG, DRAFT_WEIGHTS, DraftConfig, EagleDraft
 from k3.model.lm import K3ForCausalLM
 from k3.train import checkpoint as train_ckpt
-from k3.train.data import PackedLoader, load_documents, split_documents, stdlib_documents, tokenize_documents
+from k3.train.data import PackedLoader, load_corpus, split_documents, tokenize_documents
 from k3.train.driver import Loop, Stage, check_counts, drive
 from k3.train.optim import apply_step, lr_lambda
 from k3.train.rundir import Metrics, open_run
@@ -215,7 +215,7 @@ class DraftRun(Stage):
         """Data, draft and optimiser; from the newest checkpoint in ``out`` with ``resume``."""
         cfg = self.config
         existing = open_run(self.out, resume, verify_checkpoint)
-        docs = load_documents(cfg.data) if cfg.data else stdlib_documents(cfg.data_limit_bytes)
+        docs = load_corpus(cfg.data, cfg.data_limit_bytes)
         train_docs, val_docs = split_documents(docs, cfg.val_fraction, cfg.seed)
         train_tokens = tokenize_documents(self.tokenizer, train_docs)
         self.val_tokens = tokenize_documents(self.tokenizer, val_docs)

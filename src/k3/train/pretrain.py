@@ -34,10 +34,9 @@ from k3.train.driver import Loop, Stage, check_counts, drive
 from k3.train.data import (
     PackedLoader,
     eval_batches,
-    load_documents,
+    load_corpus,
     masked_loss_sum,
     split_documents,
-    stdlib_documents,
     tokenize_documents,
 )
 from k3.train.optim import OptimConfig, apply_step, build_optimizers, qk_clip_mla, schedulers
@@ -209,7 +208,7 @@ class TrainConfig:
 
 
 def _documents(config: TrainConfig):
-    docs = load_documents(config.data) if config.data else stdlib_documents(config.data_limit_bytes)
+    docs = load_corpus(config.data, config.data_limit_bytes)
     train_docs, val_docs = split_documents(docs, config.val_fraction, config.seed)
     return train_docs, val_docs
 
