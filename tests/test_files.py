@@ -16,8 +16,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from deadline import finishes
-from k3.files import (atomic_write, descriptor_path, open_regular, read_bytes, read_json, read_text, write_bytes,
-                      write_text)
+from k3.files import (atomic_write, descriptor_path, jsonl_records, open_regular, read_bytes, read_json, read_text,
+                      write_bytes, write_text)
 
 
 def test_content_is_replaced_whole(tmp_path):
@@ -165,3 +165,13 @@ def test_links_refused_where_asked_and_a_descriptor_path_names_the_file_checked(
         with open(named, "rb") as g:
             assert g.read() == b"checked"
     assert path.read_bytes() == b"swapped"
+
+
+def test_jsonl_records_number_lines_and_name_each_bad_one():
+    raw = '\ufeff{"a": 1}\n\n  \n{"text": "one\u2028line\u2029still"}\r\n[2]'.encode()
+    assert list(jsonl_records(raw, "d.jsonl")) == [(1, {"a": 1}), (4, {"text": "one\u2028line\u2029still"}), (5, [2])]
+    for bad, why in ((b'{"a": 1}\n{oops\n', r"invalid JSON \(Expecting property name"),
+                     (b'{"a": 1}\n"\xff"\n', r"not valid UTF-8"),
+                     (b'{"a": 1}\n' + b"[" * 100_000 + b"]" * 100_000, r"invalid JSON \(nested too deeply\)")):
+        with pytest.raises(ValueError, match=rf"d\.jsonl, line 2: {why}"):
+            list(jsonl_records(bad, "d.jsonl"))

@@ -1,6 +1,6 @@
 """The one crash-safe file writer, `atomic_write`, and the one bounded reader, `read_bytes` / `read_text` /
 `read_json`: every file kimi-k3 writes goes through the first, every config, tokenizer, manifest and pointer it reads
-through the second.
+through the second; `jsonl_records` parses the JSON Lines files it reads.
 
 A reader (or a run resumed after a crash) sees the old file or the new one, never a part: the new bytes go to a
 temporary file in the same directory, which is fsynced and renamed over the target, and the directory entry is
@@ -26,8 +26,8 @@ from typing import Any, BinaryIO
 
 from safetensors import SafetensorError
 
-__all__ = ["CONFIG_LIMIT", "DATA_LIMIT", "POINTER_LIMIT", "atomic_write", "descriptor_path", "open_regular",
-           "read_bytes", "read_json", "read_text", "user_cache", "write_bytes", "write_text"]
+__all__ = ["CONFIG_LIMIT", "DATA_LIMIT", "POINTER_LIMIT", "atomic_write", "descriptor_path", "jsonl_records",
+           "open_regular", "read_bytes", "read_json", "read_text", "user_cache", "write_bytes", "write_text"]
 
 #: Read limits, far above any real file of the kind. Configs, manifests, ``train.json``, ``state.json``:
 CONFIG_LIMIT = 64 * 2**20
@@ -144,6 +144,27 @@ def read_json(path: str | os.PathLike, limit: int) -> Any:
         return json.loads(read_text(path, limit))
     except json.JSONDecodeError as err:
         raise ValueError(f"{os.fspath(path)}: not valid JSON ({err})") from err
+
+
+def jsonl_records(raw: bytes, source: str | os.PathLike) -> Iterator[tuple[int, Any]]:
+    """``(line number, value)`` of each non-blank line of the JSON Lines bytes ``raw`` (lines end at ``\\n`` only, so
+    a string holding U+2028 stays one line; a UTF-8 BOM may open the first). A line that is not UTF-8 or not JSON —
+    nested past the parser's depth included — is a ValueError naming ``source`` and the line."""
+    for number, line in enumerate(raw.split(b"\n"), 1):
+        where = f"{os.fspath(source)}, line {number}"
+        try:
+            text = line.decode("utf-8-sig" if number == 1 else "utf-8")
+        except UnicodeDecodeError as err:
+            raise ValueError(f"{where}: not valid UTF-8 ({err})") from err
+        if not text.strip():
+            continue
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{where}: invalid JSON ({err.msg})") from err
+        except RecursionError as err:
+            raise ValueError(f"{where}: invalid JSON (nested too deeply)") from err
+        yield number, value
 
 
 def user_cache(name: str) -> Path:

@@ -325,8 +325,12 @@ def test_write_and_read_chats(records, tmp_path):
                    (2, json.dumps({**records[0], "messages": [{"role": "bot"}]})), (1, "[1]")):
         broken = tmp_path / "broken.jsonl"
         broken.write_text("\n".join(lines[: n - 1] + [bad] + lines[n:]) + "\n")
-        with pytest.raises(ValueError, match=f"broken.jsonl:{n}:"):
+        with pytest.raises(ValueError, match=f"broken.jsonl, line {n}:"):
             read_chats(broken)
+    deep = tmp_path / "deep.jsonl"
+    deep.write_text(lines[0] + "\n" + "[" * 100_000 + "]" * 100_000 + "\n")  # was a RecursionError
+    with pytest.raises(ValueError, match="deep.jsonl, line 2: invalid JSON"):
+        read_chats(deep)
     with pytest.raises(ValueError, match="record 1"):
         write_chats(tmp_path / "x.jsonl", [records[0], {**records[1], "domain": "art"}])
 

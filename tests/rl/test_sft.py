@@ -178,8 +178,18 @@ def test_load_chats_names_file_and_line(tmp_path, line, match):
     good = json.dumps(arithmetic_chats(1, seed=0)[0])
     path = tmp_path / "chats.jsonl"
     path.write_text(f"{good}\n{line}\n")
-    with pytest.raises(ValueError, match=f"{path}: {match}"):
+    with pytest.raises(ValueError, match=f"{path}, {match}"):
         load_chats(path)
+
+
+def test_load_chats_keeps_a_line_separator_inside_a_string(tmp_path):
+    """JSON allows U+2028 unescaped in a string (``json.dumps(..., ensure_ascii=False)`` writes it so); splitting the
+    file with ``str.splitlines`` broke such a chat in two and refused the file as invalid JSON."""
+    chat = arithmetic_chats(1, seed=0)[0]
+    chat["messages"][0]["content"] += "\u2028and\u2029more"
+    path = tmp_path / "chats.jsonl"
+    path.write_text(json.dumps(chat, ensure_ascii=False) + "\n", encoding="utf-8")
+    assert load_chats(path) == [(1, chat)]
 
 
 @pytest.mark.parametrize("kind", ["fifo", "link to /dev/zero", "too large"])
@@ -204,9 +214,9 @@ def test_encode_chats_errors_and_length_cap(tmp_path):
     bad_tool = {"mode": "instruct", "messages": [{"role": "user", "content": "x"},
                                                   {"role": "assistant", "content": "y"},
                                                   {"role": "tool", "content": "5"}]}
-    with pytest.raises(ValueError, match=f"{source}: line 7: messages\\[2\\].tool_call_id"):
+    with pytest.raises(ValueError, match=f"{source}, line 7: messages\\[2\\].tool_call_id"):
         encode_chats([(7, bad_tool)], tok, 256, 512, source)
-    with pytest.raises(ValueError, match=f"{source}: line 3: no assistant message"):
+    with pytest.raises(ValueError, match=f"{source}, line 3: no assistant message"):
         encode_chats([(3, {"mode": "instruct", "messages": [{"role": "user", "content": "x"}]})], tok, 256, 512,
                      source)
     chat = arithmetic_chats(1, seed=0)[0]

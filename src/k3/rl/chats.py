@@ -11,7 +11,6 @@ and uses the system prompt of effort ``low``.
 
 from __future__ import annotations
 
-import io
 import json
 import os
 from collections.abc import Sequence
@@ -21,7 +20,7 @@ from typing import Any
 from k3.rl.agent import TOOLS, episode_messages
 from k3.rl.domains import DOMAINS, EFFORTS, SPLITS, Task, assistant_message, generate, system_prompt
 from k3.chat.native import MODES, format_tool_calls, normalize
-from k3.files import DATA_LIMIT, open_regular, write_text
+from k3.files import DATA_LIMIT, jsonl_records, read_bytes, write_text
 
 __all__ = ["chat_records", "plain_texts", "read_chats", "record", "write_chats"]
 
@@ -86,19 +85,13 @@ def write_chats(path: str | os.PathLike[str], records: Sequence[dict]) -> Path:
 
 
 def read_chats(path: str | os.PathLike[str]) -> list[dict]:
-    """The records of a ``chats.jsonl`` (blank lines skipped); ``ValueError`` naming ``path:line`` for a bad one."""
-    out = []
-    with io.TextIOWrapper(open_regular(path, DATA_LIMIT), encoding="utf-8") as f:  # a FIFO or a device is refused
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except ValueError as e:
-                raise ValueError(f"{path}:{n}: not JSON: {e}") from e
-            _check(rec, f"{path}:{n}")
-            out.append(rec)
-    return out
+    """The records of a ``chats.jsonl`` (blank lines skipped); ``ValueError`` naming ``path`` and the line for a bad
+    one. A regular file of at most `DATA_LIMIT` bytes: a FIFO or a device is refused, not read."""
+    records = []
+    for number, record in jsonl_records(read_bytes(path, DATA_LIMIT), path):
+        _check(record, f"{os.fspath(path)}, line {number}")
+        records.append(record)
+    return records
 
 
 def plain_texts(records: Sequence[dict]) -> list[str]:

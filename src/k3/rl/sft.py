@@ -45,7 +45,7 @@ from k3.model.lm import K3ForCausalLM
 from k3.model.packed import PackedExperts
 from k3.rl.policy import pad_sequences
 from k3.chat.native import MODES, render
-from k3.files import DATA_LIMIT, open_regular, read_text
+from k3.files import DATA_LIMIT, jsonl_records, read_bytes
 from k3.tokenization.bpe import Tokenizer
 from k3.train import checkpoint as train_ckpt
 from k3.train.data import masked_loss_sum
@@ -54,7 +54,7 @@ from k3.train.optim import OptimConfig, apply_step, build_optimizers, schedulers
 from k3.train.rundir import Metrics, Panel, open_run
 
 __all__ = ["SFTConfig", "SFTRun", "batch_indices", "batch_loss", "encode_chats", "held_out", "load_chats",
-           "run_sft", "supervised_ids"]
+           "parse_chats", "read_chat_data", "run_sft", "supervised_ids"]
 
 #: Config fields a resumed run may change; any other must equal the checkpoint's ``train.json``.
 RESUMABLE_CHANGES = ("ckpt", "data", "out", "steps", "eval_every", "ckpt_every", "threads", "progress")
@@ -110,25 +110,33 @@ def supervised_ids(record: dict[str, Any], tokenizer: Tokenizer) -> Example:
     return ids, mask
 
 
-def load_chats(path: Path) -> list[Chat]:
-    """The chats of a JSONL file (blank lines skipped); a malformed line is a ValueError naming file and line."""
+def read_chat_data(path: Path) -> bytes:
+    """The bytes of the chat data ``path``: a regular file of at most `DATA_LIMIT` bytes (a FIFO or /dev/zero is
+    refused, not read); else a ValueError naming it."""
     try:
-        lines = read_text(path, DATA_LIMIT).splitlines()  # a regular file: a FIFO or /dev/zero is refused, not read
+        return read_bytes(path, DATA_LIMIT)
     except (OSError, ValueError) as err:
         raise ValueError(f"{path}: cannot read the chat data ({err})") from err
+
+
+def parse_chats(raw: bytes, source: Path) -> list[Chat]:
+    """The chats of the JSONL bytes ``raw`` (blank lines skipped); a malformed line is a ValueError naming ``source``
+    and the line."""
     chats = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
+    for number, record in jsonl_records(raw, source):
         try:
-            record = json.loads(line)
             _chat_fields(record)
         except ValueError as err:
-            raise ValueError(f"{path}: line {number}: {err}") from err
+            raise ValueError(f"{source}, line {number}: {err}") from err
         chats.append((number, record))
     if not chats:
-        raise ValueError(f"{path}: no chats")
+        raise ValueError(f"{source}: no chats")
     return chats
+
+
+def load_chats(path: Path) -> list[Chat]:
+    """The chats of the JSONL file ``path`` (`read_chat_data`, `parse_chats`)."""
+    return parse_chats(read_chat_data(path), path)
 
 
 def held_out(record: dict[str, Any], val_fraction: float, seed: int) -> bool:
@@ -147,9 +155,9 @@ def encode_chats(chats: list[Chat], tokenizer: Tokenizer, seq_len: int, vocab_si
         try:
             ids, mask = supervised_ids(record, tokenizer)
         except ValueError as err:
-            raise ValueError(f"{source}: line {number}: {err}") from err
+            raise ValueError(f"{source}, line {number}: {err}") from err
         if max(ids) >= vocab_size:
-            raise ValueError(f"{source}: line {number}: token id {max(ids)} is outside the model's vocabulary "
+            raise ValueError(f"{source}, line {number}: token id {max(ids)} is outside the model's vocabulary "
                              f"(vocab_size {vocab_size})")
         if len(ids) > seq_len:
             skipped += 1
@@ -224,11 +232,6 @@ class SFTConfig:
 
 
 # ---------------------------------------------------------------------- the run
-def _data_sha256(path: Path) -> str:
-    with open_regular(path, DATA_LIMIT) as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
 class SFTRun(Stage):
     """One SFT run: the base model and tokenizer, the encoded chats, optimisers; `step()` advances one step."""
 
@@ -271,8 +274,9 @@ class SFTRun(Stage):
 
     def _prepare_data(self) -> None:
         cfg, path = self.config, Path(self.config.data)
-        chats = load_chats(path)
-        self.data_sha256 = _data_sha256(path)
+        raw = read_chat_data(path)
+        self.data_sha256 = hashlib.sha256(raw).hexdigest()  # of the bytes trained on, read once
+        chats = parse_chats(raw, path)
         train = [c for c in chats if not held_out(c[1], cfg.val_fraction, cfg.seed)]
         val = [c for c in chats if held_out(c[1], cfg.val_fraction, cfg.seed)]
         vocab = self.model.config.vocab_size

@@ -7,7 +7,6 @@ Re-exported by :mod:`k3.train.data`.
 
 from __future__ import annotations
 
-import json
 import os
 import sysconfig
 import warnings
@@ -18,7 +17,7 @@ from typing import Any, BinaryIO
 
 import torch
 
-from k3.files import open_regular
+from k3.files import jsonl_records, open_regular
 from k3.sizing.memory import available_bytes
 
 __all__ = [
@@ -174,18 +173,7 @@ def _read_text_file(raw: bytes, path: Path) -> str:
 
 def _read_jsonl(raw: bytes, path: Path, prefix: str) -> list[Document]:
     docs: list[Document] = []
-    for lineno, line_bytes in enumerate(raw.split(b"\n"), start=1):
-        try:
-            line = line_bytes.decode("utf-8-sig" if lineno == 1 else "utf-8")
-        except UnicodeDecodeError as exc:
-            raise ValueError(f"{path}, line {lineno}: not valid UTF-8 ({exc})") from exc
-        if not line.strip():
-            continue  # blank lines (e.g. a trailing newline) are allowed
-        try:
-            record = json.loads(line)
-        except (json.JSONDecodeError, RecursionError) as exc:
-            why = exc.msg if isinstance(exc, json.JSONDecodeError) else "nested too deeply"
-            raise ValueError(f"{path}, line {lineno}: invalid JSON ({why})") from exc
+    for lineno, record in jsonl_records(raw, path):
         if not isinstance(record, dict) or "text" not in record:
             raise ValueError(f"{path}, line {lineno}: no 'text' field")
         text = record["text"]

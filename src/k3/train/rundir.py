@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from k3.files import DATA_LIMIT, atomic_write, read_text, write_text
+from k3.files import DATA_LIMIT, atomic_write, jsonl_records, read_bytes, read_text, write_text
 from k3.model import checkpoint as model_ckpt
 from k3.train import checkpoint as train_ckpt
 
@@ -38,8 +38,8 @@ def open_run(out: Path, resume: bool, verify: Callable[[Path], None] = train_ckp
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """The records of a ``metrics.jsonl`` (blank lines skipped)."""
-    return [json.loads(line) for line in read_text(path, DATA_LIMIT).splitlines() if line.strip()]
+    """The records of a ``metrics.jsonl`` (blank lines skipped); a line that is not JSON is a ValueError naming it."""
+    return [record for _, record in jsonl_records(read_bytes(path, DATA_LIMIT), path)]
 
 
 class Metrics:
