@@ -10,10 +10,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from deadline import finishes
+
 from k3.rl.agent import MAX_CALLS, STORE, TOOLS, AgentEnv, episode_messages
 from k3.rl.chats import chat_records, plain_texts, read_chats, write_chats
-from k3.rl.domains import (DOMAINS, EFFORTS, Task, assistant_message, generate, reasoning, system_prompt,
+from k3.rl.distill import DistillConfig
+from k3.rl.domains import (DOMAINS, EFFORTS, MAX_TASKS, Task, assistant_message, generate, reasoning, system_prompt,
                            verify)
+from k3.rl.grpo import RLConfig
 from k3.rl.sandbox import Sandbox
 from k3.chat.native import normalize, parse, render
 from k3.tokenization.bpe import Tokenizer
@@ -376,3 +380,22 @@ def test_agentic_episode_checkpoint_and_resume(tmp_path):
         empty.checkpoint(tmp_path / "empty.ckpt")
     with pytest.raises(ValueError, match="store.json"):
         AgentEnv.resume(task, tmp_path / "empty.ckpt", calls=0)
+
+
+def test_work_is_bounded_before_it_starts():
+    """``k3 chats --n-per 10**11`` and ``k3 rl --eval-tasks 10**9`` drew tasks for ever, ``k3 rl --samples 10**9``
+    was a MemoryError: each is refused by name before any task is drawn or model loaded."""
+    cases = [(lambda: generate("math", 10**11), r"n: expected an int in \[0, 50,000\]"),
+             (lambda: chat_records(n_per=10**11), r"n_per: expected an int in \[0, 50,000\] tasks per domain")]
+    for config, match in ((RLConfig(ckpt="c", samples=10**9), r"rl\.prompts × rl\.samples = 8 × 1000000000"),
+                          (RLConfig(ckpt="c", prompts=257), r"rl\.prompts × rl\.samples = 257 × 4"),
+                          (RLConfig(ckpt="c", eval_tasks=10**9), r"rl\.eval_tasks = 1000000000 is invalid"),
+                          (DistillConfig(ckpt="c", teachers="t", prompts=1025), r"distill\.prompts × "),
+                          (DistillConfig(ckpt="c", teachers="t", train_tasks=MAX_TASKS + 1),
+                           r"distill\.train_tasks = 50001 is invalid")):
+        cases.append((config.validate, match))
+    for call, match in cases:
+        with pytest.raises(ValueError, match=match):
+            finishes(call, seconds=10)
+    assert RLConfig(ckpt="c", prompts=256, samples=4, eval_tasks=MAX_TASKS).validate()
+    assert len(generate("math", 3)) == 3

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from k3.rl.agent import TOOLS, episode_messages
-from k3.rl.domains import DOMAINS, EFFORTS, SPLITS, Task, assistant_message, generate, system_prompt
+from k3.rl.domains import DOMAINS, EFFORTS, MAX_TASKS, SPLITS, Task, assistant_message, generate, system_prompt
 from k3.chat.native import MODES, format_tool_calls, normalize
 from k3.files import DATA_LIMIT, jsonl_records, read_bytes, write_text
 
@@ -47,6 +47,8 @@ def chat_records(domains: Sequence[str] = DOMAINS, efforts: Sequence[str] = EFFO
             raise ValueError(f"{name}: expected a sequence of {allowed}, got {values!r}")
     if split not in SPLITS:
         raise ValueError(f"split: expected one of {SPLITS}, got {split!r}")
+    if isinstance(n_per, bool) or not isinstance(n_per, int) or not 0 <= n_per <= MAX_TASKS:
+        raise ValueError(f"n_per: expected an int in [0, {MAX_TASKS:,}] tasks per domain (MAX_TASKS), got {n_per!r}")
     out = []
     for domain in domains:
         for task in generate(domain, n_per, seed, split):

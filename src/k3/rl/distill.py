@@ -28,7 +28,7 @@ from k3.model import checkpoint as model_ckpt
 from k3.model.lm import K3ForCausalLM
 from k3.rl.domains import DOMAINS, EFFORTS, Task, generate
 from k3.rl.episode import greedy
-from k3.rl.onpolicy import OnPolicyRun, run_stage, training_batch
+from k3.rl.onpolicy import OnPolicyRun, check_work, run_stage, training_batch
 from k3.rl.policy import token_logprobs
 from k3.rl.rewards import mopd_token_rewards, policy_loss
 from k3.rl.rollout import Trajectory
@@ -68,6 +68,7 @@ class DistillConfig:
             raise ValueError(f"distill.samples = {self.samples!r} is invalid: MOPD samples once per prompt")
         check_counts(self, "distill", ("steps", "prompts", "max_tokens", "train_tasks", "eval_tasks",
                                              "eval_every", "ckpt_every"))
+        check_work(self, "distill")
         if not self.ckpt or not self.teachers or not self.out:
             raise ValueError("distill.ckpt, distill.teachers and distill.out are required: paths")
         for name, values, allowed in (("domains", self.domains, DOMAINS), ("efforts", self.efforts, EFFORTS)):

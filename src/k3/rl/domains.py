@@ -26,7 +26,7 @@ from typing import Any
 from k3.rl.sandbox import Limits, Sandbox
 from k3.chat.native import MODES
 
-__all__ = ["ANSWER_KEY", "CODE_TIMEOUT", "DOMAINS", "EFFORTS", "SPLITS", "TEST_EVERY", "Task", "Verdict",
+__all__ = ["ANSWER_KEY", "CODE_TIMEOUT", "DOMAINS", "EFFORTS", "MAX_TASKS", "SPLITS", "TEST_EVERY", "Task", "Verdict",
            "assistant_message", "generate", "reasoning", "reference_call", "system_prompt", "verify"]
 
 DOMAINS = ("math", "code", "agentic")
@@ -34,6 +34,9 @@ EFFORTS = ("low", "high", "max")
 SPLITS = ("train", "test")
 #: A task is in the test split iff its content hash is 0 modulo this (one task in five).
 TEST_EVERY = 5
+#: The most tasks one call of `generate` draws (``k3 chats --n-per``, ``--eval-tasks``): at the defaults ``k3 chats``
+#: writes ~14 KB of chats a task per domain, so 50,000 stay within what `k3.rl.sft.load_chats` reads (1 GiB).
+MAX_TASKS = 50_000
 #: Wall-clock seconds a code answer's hidden tests may run.
 CODE_TIMEOUT = 2.0
 #: The key an agentic task's answer must be put under.
@@ -383,8 +386,8 @@ def generate(domain: str, n: int, seed: int = 0, split: str = "train") -> list[T
     train and test sets never share a task, whatever the seeds."""
     _check("domain", domain, DOMAINS)
     _check("split", split, SPLITS)
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise ValueError(f"n: expected a non-negative int, got {n!r}")
+    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_TASKS:
+        raise ValueError(f"n: expected an int in [0, {MAX_TASKS:,}] (MAX_TASKS), got {n!r}")
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ValueError(f"seed: expected an int, got {seed!r}")
     rng, tasks = random.Random(f"{domain}:{seed}"), []

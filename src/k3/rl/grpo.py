@@ -27,7 +27,7 @@ import torch
 
 from k3.rl.domains import DOMAINS, EFFORTS, Task, generate
 from k3.rl.episode import budget_base, evaluate, reference_tokens
-from k3.rl.onpolicy import OnPolicyRun, run_stage, training_batch
+from k3.rl.onpolicy import OnPolicyRun, check_work, run_stage, training_batch
 from k3.rl.policy import token_logprobs
 from k3.rl.rewards import EFFORT_TAU, apply_verbosity, budget_reward, group_advantages, policy_loss, tau_schedule
 from k3.rl.rollout import Trajectory
@@ -68,6 +68,7 @@ class RLConfig:
     def validate(self) -> RLConfig:
         check_counts(self, "rl", ("steps", "prompts", "samples", "max_tokens", "train_tasks", "eval_tasks",
                                         "eval_every", "ckpt_every"))
+        check_work(self, "rl")
         if not self.ckpt or not self.out:
             raise ValueError("rl.ckpt and rl.out are required: paths")
         if not self.domains or not set(self.domains) <= set(DOMAINS) or len(set(self.domains)) != len(self.domains):

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from k3.model import checkpoint as model_ckpt
 from k3.model.packed import PackedExperts
-from k3.rl.domains import Task
+from k3.rl.domains import MAX_TASKS, Task
 from k3.rl.episode import Episodes, prompt_ids, sampling
 from k3.rl.policy import pad_sequences
 from k3.rl.rollout import ENVIRONMENT, IterationStats, PartialRollouts, Trajectory, run_iteration
@@ -27,6 +27,23 @@ from k3.train import checkpoint as train_ckpt
 from k3.train.driver import Loop, Stage, drive
 from k3.train.optim import apply_step
 from k3.train.rundir import Metrics, Panel, open_run
+
+#: The most trajectories an iteration keeps in flight (``--prompts`` × ``--samples``): each holds a decoding state
+#: while it samples and a row of the update's whole batch.
+MAX_TRAJECTORIES = 1024
+
+
+def check_work(config: Any, prefix: str) -> None:
+    """ValueError naming the field unless an iteration's work is bounded before the run starts: ``prompts`` ×
+    ``samples`` at most `MAX_TRAJECTORIES`, ``train_tasks`` and ``eval_tasks`` at most `MAX_TASKS`
+    (``--samples 10**9`` was a MemoryError, ``--eval-tasks 10**9`` drew tasks for ever)."""
+    if config.prompts * config.samples > MAX_TRAJECTORIES:
+        raise ValueError(f"{prefix}.prompts × {prefix}.samples = {config.prompts} × {config.samples} is invalid: at "
+                         f"most {MAX_TRAJECTORIES:,} trajectories in flight")
+    for name in ("train_tasks", "eval_tasks"):
+        if getattr(config, name) > MAX_TASKS:
+            raise ValueError(f"{prefix}.{name} = {getattr(config, name)!r} is invalid: at most {MAX_TASKS:,}")
+
 
 #: Settings a resumed run may change (paths, length, cadence, threads).
 RESUMABLE_CHANGES = ("ckpt", "teachers", "out", "steps", "eval_every", "ckpt_every", "threads", "progress")
