@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from deadline import finishes
 from k3.cli import main
 from k3.train import checkpoint as ckpt
 from k3.model import checkpoint as model_ckpt
@@ -215,6 +216,17 @@ def test_bf16_autocast_and_gradient_accumulation(tmp_path, corpus):
     rows = read_metrics(tmp_path / "bf16" / "metrics.jsonl")
     assert run.step_index == 2 and all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
     assert rows[-1]["tokens"] == 512 and "val_loss" in rows[-1]
+
+
+def test_a_step_larger_than_the_training_stream_is_refused_before_it_is_held(tmp_path, corpus):
+    """``--grad-accum 10**9`` held a billion micro-batches in memory at once (each step gathers its micro-batches
+    before the first forward): a step needing more tokens than the stream holds is refused, as a batch is."""
+    from k3.train.pretrain import Run
+
+    run = Run(config(tmp_path, corpus, grad_accum=10**6, tokens_per_step=32 * 10**6, curriculum=[[0.0, 32]]))
+    with pytest.raises(ValueError, match=r"one step of grad_accum=1000000 micro-batches of 1 × 32 tokens: the stream "
+                                         r"has \d+ tokens, the step needs at least 33000000"):
+        finishes(lambda: run.prepare(resume=False), seconds=60)
 
 
 def test_eval_reads_the_checkpoint_it_is_given_and_writes_nothing(tmp_path, corpus, capsys):

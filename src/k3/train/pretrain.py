@@ -301,8 +301,14 @@ class Run(Stage):
         its own batch size (and its own shuffle seed); its position is checkpointed."""
         self.stage = self.config.stage(self.step_index)
         length = self.config.seq_len(self.step_index)
-        return PackedLoader(self.train_tokens, seq_len=length, batch_size=self._batch(length),
-                            eos_id=self.tokenizer.eos_id, seed=self.config.seed + self.stage)
+        loader = PackedLoader(self.train_tokens, seq_len=length, batch_size=self._batch(length),
+                              eos_id=self.tokenizer.eos_id, seed=self.config.seed + self.stage)
+        need = self.config.grad_accum * loader.batch_size * (length + 1)  # a step's micro-batches are held at once
+        if need > loader.num_tokens:
+            raise ValueError(f"not enough data for one step of grad_accum={self.config.grad_accum} micro-batches of "
+                             f"{loader.batch_size} × {length} tokens: the stream has {loader.num_tokens} tokens, the "
+                             f"step needs at least {need} (fewer --grad-accum or --tokens-per-step, or more data)")
+        return loader
 
     def _batch(self, length: int) -> int:
         return self.config.tokens_per_step // (length * self.config.grad_accum)
