@@ -6,6 +6,7 @@ larger than `LARGEST` is made before the refusal."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -182,3 +183,45 @@ def test_a_crafted_config_in_a_sharded_checkpoint_is_refused_before_its_model_is
     err = capsys.readouterr().err
     assert f"{path}: describes a model of" in err and "cannot hold" in err, err
     assert allocations.largest <= LARGEST, allocations.largest
+
+
+class _Runs:
+    """A pickled value that, unpickled by ``pickle.load``, creates the directory ``marker``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.mkdir, (str(self.marker),)
+
+
+def test_a_sharded_checkpoint_never_runs_code_from_its_pickles(run, tmp_path, capsys):
+    """DCP unpickles ``.metadata`` with ``pickle.load`` and its non-tensor values with ``weights_only=False``: a crafted
+    sharded checkpoint ran what it named (here: ``os.mkdir``) on ``k3 convert-ckpt`` or ``k3 eval``. Both are read
+    by allowlists now (`k3.train.dcp_files`), and what they refuse is an error naming the file."""
+    import pickle
+
+    from k3.train.dcp_files import LoadPlanner
+
+    sharded = tmp_path / "sharded" / STEP
+    assert main(["convert-ckpt", "--ckpt", str(run), "--out", str(sharded)]) == 0
+    capsys.readouterr()
+    marker = tmp_path / "ran"
+    metadata = sharded / "dcp" / ".metadata"
+    metadata.write_bytes(pickle.dumps(_Runs(marker)))
+    (sharded / "dcp" / "checksums.json").unlink()
+    write_manifest(sharded / "dcp")  # checksums that match: only the reading itself can object
+    for command, more in (("convert-ckpt", ["--out", str(tmp_path / "back")]), ("eval", ["--batches", "1"])):
+        assert main([command, "--ckpt", str(sharded), *more]) == 2
+        err = capsys.readouterr().err
+        assert f"{metadata}: not DCP metadata (UnpicklingError: posix.mkdir is not a DCP metadata class" in err, err
+        assert not marker.exists()
+
+    payload = io.BytesIO()
+    torch.save(_Runs(marker), payload)
+    payload.seek(0)
+    item = type("Item", (), {"dest_index": type("Index", (), {"fqn": "optim.param_groups.0.lr"})()})()
+    with pytest.raises(ValueError, match=r"optim\.param_groups\.0\.lr: not a plain value \(UnpicklingError"):
+        LoadPlanner().load_bytes(item, payload)
+    assert not marker.exists()
+

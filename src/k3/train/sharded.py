@@ -24,7 +24,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
-from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -36,6 +35,7 @@ from k3.model.checkpoint import (MANIFEST, SHARDED, atomic_directory, check_size
 from k3.model.lm import K3ForCausalLM
 from k3.sizing.memory import check_stored
 from k3.train import checkpoint as ckpt
+from k3.train.dcp_files import LoadPlanner, Reader
 from k3.train.optim import OptimConfig, build_optimizers
 
 SHARDS = SHARDED
@@ -166,12 +166,12 @@ def load(path: Path, model: nn.Module, optimizers: list[torch.optim.Optimizer],
     verify_sharded(path)
     state = _state(model, optimizers)
     tensors = state if experts is None else _experts(state, experts, experts.whole)
-    saved = dcp.FileSystemReader(str(path / SHARDS)).read_metadata().state_dict_metadata
+    saved = Reader(str(path / SHARDS)).read_metadata().state_dict_metadata
     missing = sorted(f"model.{name}" for name in tensors["model"] if f"model.{name}" not in saved)
     if missing:
         raise ValueError(f"{path / SHARDS}: holds no tensor {missing[0]!r} ({len(missing)} of the model's missing)")
     try:  # parameters that never had a gradient (e.g. an unused vision tower) have no optimiser state saved
-        dcp.load(tensors, checkpoint_id=str(path / SHARDS), planner=DefaultLoadPlanner(allow_partial_load=True),
+        dcp.load(tensors, storage_reader=Reader(str(path / SHARDS)), planner=LoadPlanner(allow_partial_load=True),
                  no_dist=not dist.is_initialized())
     except Exception as err:  # DCP raises CheckpointException (or RuntimeError) for mismatched tensors
         raise ValueError(f"{path / SHARDS}: cannot load into this model ({type(err).__name__}: {err})") from err
