@@ -19,6 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from deadline import finishes
 from k3.rl import sandbox
 from k3.rl.sandbox import Entry, Limits, Sandbox, Snapshot, isolation
 
@@ -410,6 +411,16 @@ def test_checkpoint_resume_round_trip(box, tmp_path):
         assert back.run([sys.executable, "-I", "main.py"]).stdout == "42\n"
     with Sandbox.resume(path, Limits(wall_seconds=1.0)) as other:
         assert other.limits == Limits(wall_seconds=1.0)
+
+
+def test_resume_reads_only_a_regular_file(tmp_path):
+    """``Sandbox.resume`` of a FIFO blocked for ever and of ``/dev/zero`` read until memory ran out."""
+    fifo = tmp_path / "fifo.tar"
+    os.mkfifo(fifo)
+    (tmp_path / "zero.tar").symlink_to("/dev/zero")
+    for path, kind in ((fifo, "a FIFO"), (tmp_path / "zero.tar", "a character device")):
+        with pytest.raises(ValueError, match=f"{kind}, not a regular file"):
+            finishes(lambda path=path: Sandbox.resume(path), seconds=10)
 
 
 @pytest.fixture(scope="module")

@@ -66,7 +66,7 @@ from functools import cache
 from pathlib import Path, PurePosixPath
 from typing import Literal
 
-from k3.files import write_bytes
+from k3.files import DATA_LIMIT, read_bytes, write_bytes
 from k3.rl.jail import process_uids
 
 __all__ = ["Limits", "Result", "Entry", "Snapshot", "Sandbox", "isolation"]
@@ -313,7 +313,7 @@ class Sandbox:
     @classmethod
     def resume(cls, path: Path, limits: Limits | None = None) -> Sandbox:
         """A new sandbox holding a checkpoint's root (and its limits unless given); ValueError if corrupt."""
-        snapshot, saved = _unpack(Path(path).read_bytes())
+        snapshot, saved = _unpack(read_bytes(path, DATA_LIMIT))  # a regular file: a FIFO or a device is refused
         box = cls(saved if limits is None else limits)
         box.restore(snapshot)
         return box
