@@ -117,6 +117,26 @@ def test_grammar_cache_flag(command):
     assert options.build(serving.model(), serving.tokenizer()).grammars.cache_bytes == 8 * 2**20
 
 
+def test_cache_budgets_past_the_memory_available_are_refused_by_flag(monkeypatch):
+    """``--prefix-cache-gb 1e12`` was accepted: a cache allowed to grow past the machine's memory, bounded in name
+    only. A budget (or the two together) past the memory available on the model's device is refused by its flag."""
+    import k3.sizing.memory as memory
+
+    model, tokenizer = serving.model(), serving.tokenizer()
+    with pytest.raises(ValueError, match=r"--prefix-cache-gb: 1,000,000,000,000\.0 GiB is more than the .* GiB "
+                                         r"available on cpu"):
+        EngineOptions(prefix_cache_gb=1e12).build(model, tokenizer)
+    monkeypatch.setattr(memory, "available_bytes", lambda device: 3 * 2**30)
+    with pytest.raises(ValueError, match=r"--grammar-cache-mb: 4\.0 GiB is more than the 3\.0 GiB"):
+        EngineOptions(grammar_cache_mb=4096).build(model, tokenizer)
+    with pytest.raises(ValueError, match=r"--prefix-cache-gb \+ --grammar-cache-mb: 3\.5 GiB is more than the 3\.0"):
+        EngineOptions(prefix_cache_gb=2, grammar_cache_mb=1536).build(model, tokenizer)
+    assert EngineOptions(prefix_cache_gb=2, grammar_cache_mb=512).build(model, tokenizer).prefix_cache is not None
+    assert EngineOptions(prefix_cache=False, prefix_cache_gb=5).build(model, tokenizer).prefix_cache is None  # unused
+    monkeypatch.setattr(memory, "available_bytes", lambda device: None)  # unknown: not checked
+    assert EngineOptions(prefix_cache_gb=100).build(model, tokenizer).prefix_cache is not None
+
+
 def test_build_loads_the_draft(tmp_path):
     from k3.model.draft import DraftConfig, EagleDraft
 

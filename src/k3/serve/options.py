@@ -121,6 +121,21 @@ def add_placement_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the model's floating-point type: auto (bfloat16 on CUDA, float32 on the CPU), or one")
 
 
+def check_budgets(device: Any, *budgets: tuple[str, int]) -> None:
+    """ValueError naming the flag of any of ``budgets`` (flag, bytes), or of their sum, that is more than the memory
+    available on ``device`` (`k3.sizing.memory.available_bytes`; unknown: not checked): a cache allowed to grow past
+    the machine's memory is bounded in name only."""
+    from k3.sizing.memory import available_bytes
+
+    available = available_bytes(device)
+    if available is None:
+        return
+    for flag, size in (*budgets, (" + ".join(flag for flag, _ in budgets), sum(size for _, size in budgets))):
+        if size > available:
+            raise ValueError(f"{flag}: {size / 2**30:,.1f} GiB is more than the {available / 2**30:,.1f} GiB "
+                             f"available on {device}")
+
+
 @dataclass
 class EngineOptions:
     """What shapes an `Engine` (defaults: the commands' flag defaults). ``max_waiting`` None and ``threads`` None
@@ -256,15 +271,17 @@ class EngineOptions:
         from k3.serve.engine.cache import PrefixCache
         from k3.serve.engine.structured import Grammars
 
+        cache_bytes, grammar_bytes = int(self.prefix_cache_gb * 2**30), int(self.grammar_cache_mb * 2**20)
+        check_budgets(model.device, ("--prefix-cache-gb", cache_bytes if self.prefix_cache else 0),
+                      ("--grammar-cache-mb", grammar_bytes))
         cache = None if not self.prefix_cache else PrefixCache.for_model(
-            model, tokenizer, int(self.prefix_cache_gb * 2**30), self.cache_block_tokens, self.cache_checkpoint_every,
-            self.cache_page_blocks)
+            model, tokenizer, cache_bytes, self.cache_block_tokens, self.cache_checkpoint_every, self.cache_page_blocks)
         queue = {} if self.max_waiting is None else {"max_waiting": self.max_waiting}
         return Engine(model, tokenizer, max_model_len=self.max_model_len, max_batch=self.max_batch,
                       prefill_chunk=self.prefill_chunk, prefix_cache=cache, drafter=self.drafter(model),
                       num_draft_tokens=self.num_draft_tokens, adaptive_draft=not self.always_draft,
                       compile=CompiledModel(model, packaged=True) if self.compile_packages else self.compile,
-                      grammars=Grammars(tokenizer, int(self.grammar_cache_mb * 2**20)), **queue)
+                      grammars=Grammars(tokenizer, grammar_bytes), **queue)
 
     def drafter(self, target: Any) -> Any:
         """`--draft`: ``ngram`` (`k3.serve.engine.ngram`), or a directory: an EAGLE-3 draft (`k3 train-draft`, a run or
