@@ -55,7 +55,7 @@ def test_requests_served_while_graphs_compile_get_eager_tokens_and_switch_to_the
     engine = Engine(model, tok, max_batch=1, prefill_chunk=16, compile=compiled)
     engine.warm_up(background=True)
     families = [("decode", 1, 2), ("prefill", 4, 0), ("prefill", 4, 2)]
-    assert compiled.planned == [(f, "precompiled") for f in families] + [(("decode", 1, 2), "traced")]
+    assert compiled.plan.planned == [(f, "precompiled") for f in families] + [(("decode", 1, 2), "traced")]
     seen: dict[str, int] = {}
 
     def finish_compiling() -> None:
@@ -63,19 +63,19 @@ def test_requests_served_while_graphs_compile_get_eager_tokens_and_switch_to_the
         assert compiled.wait_background(timeout=900)
 
     assert _run(engine, prompts, steps_before=4, between=finish_compiling) == eager
-    assert compiled.background_error is None and compiled.built == len(compiled.planned)
-    assert compiled.ready == {families[0]: compiled.decode_step, families[1]: compiled.precompiled["prefill"],
-                              families[2]: compiled.precompiled["prefill"]}
+    assert compiled.plan.background_error is None and compiled.plan.built == len(compiled.plan.planned)
+    assert compiled.plan.ready == {families[0]: compiled.decode_step, families[1]: compiled.plan.precompiled["prefill"],
+                                   families[2]: compiled.plan.precompiled["prefill"]}
     assert seen["eager_steps"] > 0 and compiled.graph_calls > seen["graph_steps"]  # switched mid-request
     assert len(list((tmp_path / "k3" / "graphs").rglob("*.pt2"))) == 3
-    assert compiled.worker.failure is None and compiled.worker.process.returncode == 0
-    assert [compiled.precompiled[k].cache_hits for k in ("decode", "prefill")] == [1, 2]  # the process's files
+    assert compiled.plan.worker.failure is None and compiled.plan.worker.process.returncode == 0
+    assert [compiled.plan.precompiled[k].cache_hits for k in ("decode", "prefill")] == [1, 2]  # the process's files
     built = compiled.compilations
     assert _run(engine, prompts) == eager and compiled.compilations == built
     again = CompiledModel(model, batches=(1,), sizes=(4, 1))  # a warm start: every graph saved, no process
     again.compile_in_background(families, upgrade=False)
-    assert again.wait_background(timeout=900) and again.worker is None and again.built == 3
-    assert sum(step.cache_hits for step in again.precompiled.values()) == 3
+    assert again.wait_background(timeout=900) and again.plan.worker is None and again.plan.built == 3
+    assert sum(step.cache_hits for step in again.plan.precompiled.values()) == 3
 
 
 def test_where_the_graph_process_fails_the_thread_compiles_what_is_left(tok, tmp_path, monkeypatch):
@@ -91,10 +91,10 @@ def test_where_the_graph_process_fails_the_thread_compiles_what_is_left(tok, tmp
     eager = _run(Engine(model, tok, max_batch=1, prefill_chunk=16), [prompt])
     compiled = CompiledModel(model, batches=(1,), sizes=(4, 1), tuned=False)
     compiled.compile_in_background([("decode", 1, 2)], upgrade=False)
-    assert compiled.wait_background(timeout=900) and compiled.background_error is None
-    assert "exit status 3" in compiled.worker.failure
-    step = compiled.precompiled["decode"]
-    assert (step.compilations, step.cache_hits) == (1, 0) and compiled.ready == {("decode", 1, 2): step}
+    assert compiled.wait_background(timeout=900) and compiled.plan.background_error is None
+    assert "exit status 3" in compiled.plan.worker.failure
+    step = compiled.plan.precompiled["decode"]
+    assert (step.compilations, step.cache_hits) == (1, 0) and compiled.plan.ready == {("decode", 1, 2): step}
     engine = Engine(model, tok, max_batch=1, prefill_chunk=16, compile=compiled)
     assert _run(engine, [prompt]) == eager and compiled.graph_calls > 0
 
@@ -186,7 +186,7 @@ def test_a_step_outside_the_planned_families_runs_eagerly_beside_a_background_co
         expected, _ = model(prompt, state=model.new_state(1))
     compiled.compile_in_background([("decode", 1, 2)], upgrade=False)
     try:
-        compiled.ready[("prefill", 4, 0)] = compiled.prefill_step  # claimed ready, yet not built: a cold key
+        compiled.plan.ready[("prefill", 4, 0)] = compiled.prefill_step  # claimed ready, yet not built: a cold key
         with torch.inference_mode():
             logits, _ = compiled.step(prompt, model.new_state(1))
         torch.testing.assert_close(logits, expected[:, -1], atol=1e-4, rtol=0)

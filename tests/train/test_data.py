@@ -212,10 +212,13 @@ def test_data_that_would_not_fit_in_memory_is_refused_before_it_is_read(tmp_path
     (tmp_path / "b.txt").write_text("y" * 1000)
     available = 1500 * corpus.TOKENIZE_BYTES_PER_BYTE
     monkeypatch.setattr(corpus, "available_bytes", lambda device: available)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)  # one process
     assert corpus.tokenizable_bytes() == 1500
     with pytest.raises(ValueError, match=r"up to .*b\.txt holds 2,000 bytes of text.*--data-limit-mb"):
         load_documents([tmp_path])
     assert [d.name for d in load_documents([tmp_path], limit_bytes=1200)] == [f"{tmp_path.name}/a.txt"]
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")  # three ranks on this machine, each loading the whole corpus
+    assert corpus.tokenizable_bytes() == 500
     monkeypatch.setattr(corpus, "available_bytes", lambda device: None)  # unknown: not bounded by memory
     assert len(load_documents([tmp_path])) == 2
 

@@ -111,9 +111,9 @@ def _serve(args: argparse.Namespace) -> int:
         seconds = engine.warm_up(background=not args.compile_wait)
         compiled, what = engine.compiled, (f"decode batches up to {engine.compiled.bucket(engine.max_batch)}, prefill "
                                            f"pieces {engine.compiled.sizes}, context {engine.max_model_len} tokens")
-        if compiled.ready is not None:
-            where = f" (precompiled ones by process {compiled.worker.process.pid})" if compiled.worker else ""
-            print(f"k3 serve: building {len(compiled.planned)} graphs in the background{where} ({what}); until a "
+        if (plan := compiled.plan) is not None:
+            where = f" (precompiled ones by process {plan.worker.process.pid})" if plan.worker else ""
+            print(f"k3 serve: building {len(plan.planned)} graphs in the background{where} ({what}); until a "
                   f"shape's graph is ready its steps run eagerly (GET /metrics: k3_compile_graphs_built)", flush=True)
         else:
             print(f"k3 serve: {compiled.compilations} graphs compiled in {seconds:.1f} s, {compiled.cache_hits} of "

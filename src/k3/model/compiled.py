@@ -18,10 +18,8 @@ later process loads in seconds instead of compiling them again, and whose calls 
 from __future__ import annotations
 
 import functools
-import sys
 import threading
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -29,11 +27,10 @@ import torch
 from torch import Tensor
 
 from k3.model.background import Gate
-from k3.model.compiled_step import CASCADE_SUM, CompiledStep, background_begins, background_ends, cached
-from k3.model.graph_worker import GraphWorker
+from k3.model.compiled_step import CASCADE_SUM, CompiledStep, background_begins, cached
+from k3.model.graph_plan import GraphPlan
 from k3.model.lm import K3ForCausalLM
 from k3.model.packaged import PackagedStep
-from k3.model.precompiled import GraphFiles
 from k3.model.state import DecoderState
 
 __all__ = ["DECODE_BATCHES", "PREFILL_PIECES", "CompiledModel", "pieces"]
@@ -96,20 +93,14 @@ class CompiledModel:
         # the last padded decode: (the rows returned, the whole bucket), so a batch that is not a bucket continues
         # its filler rows too and its caches keep growing in place instead of being stacked anew every step
         self._padded: tuple[DecoderState, DecoderState] | None = None
-        self.precompiled: dict[str, CompiledStep] = {}  # a background compilation's first graphs, by kind
-        self.ready: dict[tuple, CompiledStep] | None = None  # compiling in the background: each family's best step
-        self.planned: list[tuple] = []  # what a background compilation builds, in order: (family, tier)
-        self.built = 0  # of them, those done
-        self.background: threading.Thread | None = None
-        self.background_error: Exception | None = None
-        self.files: GraphFiles | None = None  # where the precompiled graphs are kept, once planned
-        self.worker: GraphWorker | None = None  # the process compiling the precompiled graphs (`failure`: why not)
+        self.plan: GraphPlan | None = None  # what `precompile` / `compile_in_background` build, and how far they are
         self.eager_calls = self.graph_calls = 0  # steps run eagerly (no graph for them, or not ready yet) / on graphs
 
     def _steps(self) -> dict[str, CompiledStep | PackagedStep]:
         """Every compiled step by name: the traced ones and the precompiled ones."""
+        precompiled = {} if self.plan is None else self.plan.precompiled
         return {"decode": self.decode_step, "prefill": self.prefill_step, "verify": self.verify_step,
-                **{f"precompiled {kind}": step for kind, step in self.precompiled.items()}}
+                **{f"precompiled {kind}": step for kind, step in precompiled.items()}}
 
     @property
     def compilations(self) -> int:
@@ -255,9 +246,8 @@ class CompiledModel:
         where an earlier process saved it, else compiled and saved — and run those families on them; every other
         call runs eagerly (``k3 generate --compile``); ``built(family)`` after each. Returns the seconds taken."""
         start = time.perf_counter()
-        self._plan(families, upgrade=False)
         with torch.inference_mode():
-            self._build_planned(built)
+            self._plan(families, upgrade=False).build_all(built)
         return time.perf_counter() - start
 
     def compile_in_background(self, families: list[tuple], upgrade: bool = True,
@@ -270,99 +260,37 @@ class CompiledModel:
         (`k3.model.background.Gate`): the steps keep their speed and the graphs take the idle time. With ``process`` (a
         model on the CPU), the precompiled graphs are compiled by a process of their own (`k3.model.graph_worker`: no
         interpreter lock shared with the steps) and this thread only loads them; where it cannot start or fails, this
-        thread compiles what is left, with a warning. `ready` maps each family to the step serving it; an error stops
-        the compilation with a warning (what is left runs as it is); `stop_background` parks it for good."""
-        self._plan(families, upgrade)
+        thread compiles what is left, with a warning. `plan` (`k3.model.graph_plan.GraphPlan`) maps each family to the
+        step serving it (``ready``); an error stops the compilation with a warning (what is left runs as it is);
+        `stop_background` parks it for good."""
+        plan = self._plan(families, upgrade)
         background_begins()
         threads, process = torch.get_num_threads(), process and self.model.device.type == "cpu"
-        self.background = self.gate.start(lambda: self._compile_all(threads, process), "k3-compile")
-        return self.background
+        plan.background = self.gate.start(lambda: plan.run(threads, process), "k3-compile")
+        return plan.background
 
-    def _plan(self, families: list[tuple], upgrade: bool) -> None:
-        """`planned`: each family's precompiled graph, then, with ``upgrade``, the tuned decode and verification
-        graphs."""
-        if self.ready is not None:
+    def _plan(self, families: list[tuple], upgrade: bool) -> GraphPlan:
+        """`plan`: each family's precompiled graph, then, with ``upgrade``, the tuned decode and verification graphs
+        (`k3.model.graph_plan.GraphPlan`)."""
+        if self.plan is not None:
             raise RuntimeError("CompiledModel: graphs have already been planned")
-        self.files = GraphFiles(self.model)  # one layout digest for the three steps
-        self.precompiled = {kind: CompiledStep(self.model, replayed=kind == "verify", gate=self.gate,
-                                               files=self.files) for kind in ("decode", "prefill", "verify")}
-        traced = [f for f in families if upgrade and f[0] != "prefill"]
-        self.planned = [(f, "precompiled") for f in families] + [(f, "traced") for f in traced]
-        self.ready = {}
+        traced = {"decode": self.decode_step, "prefill": self.prefill_step, "verify": self.verify_step}
+        self.plan = GraphPlan(self.model, self.gate, families, upgrade, traced, self._build)
+        return self.plan
 
     def wait_background(self, timeout: float | None = None) -> bool:
         """Wait (no step running) until the background compilation has ended; whether it has."""
-        if self.background is not None:
-            self.background.join(timeout)
-        return self.background is None or not self.background.is_alive()
+        background = None if self.plan is None else self.plan.background
+        if background is not None:
+            background.join(timeout)
+        return background is None or not background.is_alive()
 
     def stop_background(self) -> None:
         """Park the background compilation for good and end its graph process (the families not built run as they
         do)."""
         self.gate.close()
-        if self.worker is not None:
-            self.worker.stop()
-
-    @torch.inference_mode()
-    def _compile_all(self, threads: int, process: bool) -> None:
-        """`compile_in_background`'s thread: with ``process``, the precompiled graphs already saved are loaded and
-        a graph process started for the others (`_start_worker`); then `_build_planned`, stopped with a warning by
-        an error."""
-        torch.set_num_threads(threads)  # the caller's count (part of every graph's key), not a new thread's default
-        try:
-            contexts: dict[int, DecoderState] = {}
-            if process:
-                self._start_worker(contexts)
-            self._build_planned(contexts=contexts)
-        except Exception as err:  # the steps go on as they are for what is left
-            self.background_error = err
-            print(f"k3: background compilation stopped, what is left runs as it is: {err!r}", file=sys.stderr,
-                  flush=True)
-        finally:
-            background_ends()
-            if self.worker is not None:
-                self.worker.stop()
-
-    def _start_worker(self, contexts: dict[int, DecoderState]) -> None:
-        """Load (and switch to) the planned precompiled graphs that are saved already; start a `GraphWorker` on the
-        others (none where every one was saved; with a warning where it cannot start: this thread compiles them
-        then)."""
-        missing = []
-        for family, tier in self.planned:
-            if tier == "precompiled":
-                step = self.precompiled[family[0]]
-                step.load_only = True
-                try:
-                    self._build(family, contexts, step)
-                    self.ready[family], self.built = step, self.built + 1
-                except FileNotFoundError:
-                    missing.append(family)
-                finally:
-                    step.load_only = False
-        try:
-            self.worker = GraphWorker.start(self.model, self.files.digest, missing) if missing else None
-        except Exception as err:  # a model that does not pickle, no process: compile here instead
-            warnings.warn(f"k3: no graph process ({err!r}); compiling in this process", RuntimeWarning, stacklevel=2)
-
-    def _build_planned(self, built: Callable[[tuple], None] | None = None,
-                       contexts: dict[int, DecoderState] | None = None) -> None:
-        """Build the `planned` graphs in order, switching each family to its graph once built (a precompiled one
-        the graph process builds: loaded once it is saved; one already serving its family: skipped)."""
-        contexts = {} if contexts is None else contexts
-        for family, tier in self.planned:
-            step = (self.precompiled if tier == "precompiled" else self._steps())[family[0]]
-            if self.ready.get(family) is step:  # loaded by `_start_worker`
-                continue
-            worker = self.worker if tier == "precompiled" else None
-            if worker is not None and family in worker.families and worker.failure is None \
-                    and not worker.wait_for(family):
-                warnings.warn(f"k3: {worker.failure}; compiling the rest in this process", RuntimeWarning,
-                              stacklevel=2)
-            self._build(family, contexts, step)
-            self.ready[family] = step
-            self.built += 1
-            if built is not None:
-                built(family)
+        if self.plan is not None:
+            self.plan.stop()
 
     def _build(self, family: tuple, contexts: dict[int, DecoderState], step: CompiledStep | None = None) -> None:
         """Compile ``family``'s graph (on ``step``, default its traced one) on zero tokens after a context of its
@@ -382,5 +310,5 @@ class CompiledModel:
     def _graph(self, family: tuple, traced: CompiledStep) -> CompiledStep | None:
         """The step a call of ``family`` runs on: ``traced`` (compiled on first use), or while compiling in the
         background the one built for it so far (None: not yet, eagerly)."""
-        return traced if self.ready is None else self.ready.get(family)
+        return traced if self.plan is None else self.plan.ready.get(family)
 

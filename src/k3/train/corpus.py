@@ -274,10 +274,15 @@ def _too_much(path: Path, total: int, limit_bytes: int | None, memory: int | Non
 
 
 def tokenizable_bytes() -> int | None:
-    """The most bytes of text this machine's available memory can tokenize (`TOKENIZE_BYTES_PER_BYTE`), or None
-    where the available memory is unknown."""
+    """The most bytes of text this process may tokenize (`TOKENIZE_BYTES_PER_BYTE`): its share of the memory
+    available, which the ranks of a distributed run on this machine (``LOCAL_WORLD_SIZE``, torchrun's), each loading
+    the whole corpus, divide. None where the available memory is unknown."""
     available = available_bytes(torch.device("cpu"))
-    return None if available is None else available // TOKENIZE_BYTES_PER_BYTE
+    try:
+        ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        ranks = 1
+    return None if available is None else available // (TOKENIZE_BYTES_PER_BYTE * ranks)
 
 
 def load_documents(paths: Sequence[str | os.PathLike[str]] | str | os.PathLike[str],

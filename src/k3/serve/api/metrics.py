@@ -42,11 +42,11 @@ class _EngineCollector(Collector):
             yield CounterMetricFamily("k3_compiled_graphs_cached", "Of the graphs compiled, those loaded from an "
                                       "on-disk cache (inductor's, or saved precompiled graphs)",
                                       value=e.compiled.cache_hits)
-            if e.compiled.ready is not None:  # compiling in the background: steps of families not ready run eagerly
+            if (plan := e.compiled.plan) is not None:  # compiling in the background: families not ready run eagerly
                 yield GaugeMetricFamily("k3_compile_graphs_built", "Graphs the background compilation has built",
-                                        value=e.compiled.built)
+                                        value=plan.built)
                 yield GaugeMetricFamily("k3_compile_graphs_planned", "Graphs the background compilation builds",
-                                        value=len(e.compiled.planned))
+                                        value=len(plan.planned))
             yield CounterMetricFamily("k3_compiled_steps", "Model steps run on compiled graphs",
                                       value=e.compiled.graph_calls)
             yield CounterMetricFamily("k3_eager_steps", "Model steps of a compiled engine run eagerly (no graph for "
