@@ -190,7 +190,7 @@ def test_the_data_limit_keeps_the_first_whole_files(tmp_path) -> None:
     assert [d.name for d in load_documents([root], limit_bytes=900)] == ["corpus/a.txt", "corpus/b.txt", "corpus/c.txt"]
     assert [d.name for d in load_documents([root], limit_bytes=899)] == ["corpus/a.txt", "corpus/b.txt"]
     assert [d.name for d in load_documents([root], limit_bytes=400)] == ["corpus/a.txt"]
-    with pytest.raises(ValueError, match=r"a\.txt: 400 bytes of text, more than the data limit \(399 bytes\)"):
+    with pytest.raises(ValueError, match=r"a\.txt: 400 bytes of text or more, past the data limit \(399 bytes\)"):
         load_documents([root], limit_bytes=399)  # a first file past the limit is refused, not cut or skipped
     assert load_corpus([root], 400) == load_documents([root], 400)
     assert load_corpus(None, 10_000) == stdlib_documents(10_000)
@@ -200,9 +200,18 @@ def test_a_parquet_file_counts_its_text_decompressed(tmp_path) -> None:
     p = tmp_path / "bomb.parquet"
     pq.write_table(pa.table({"text": ["a" * 2_000_000] * 4}), p, compression="zstd")
     assert p.stat().st_size < 100_000  # the file alone would pass the limit below
-    with pytest.raises(ValueError, match=r"bomb\.parquet: [\d,]+ bytes of text, more than the data limit \(1,000,000"):
+    with pytest.raises(ValueError, match=r"bomb\.parquet: [\d,]+ bytes of text or more, past the data limit "
+                                         r"\(1,000,000"):
         load_documents([p], limit_bytes=1_000_000)
     assert len(load_documents([p], limit_bytes=9_000_000)) == 4
+    # one value repeated through a dictionary: its metadata states ~10 KB, decoded it is 20 MB
+    q = tmp_path / "repeated.parquet"
+    pq.write_table(pa.table({"n": list(range(2000)), "text": ["b" * 10_000] * 2000}), q, use_dictionary=True)
+    meta = pq.ParquetFile(q).metadata
+    assert sum(meta.row_group(g).column(1).total_uncompressed_size for g in range(meta.num_row_groups)) < 1_000_000
+    with pytest.raises(ValueError, match=r"repeated\.parquet: [\d,]+ bytes of text or more, past the data limit"):
+        load_documents([q], limit_bytes=1_000_000)
+    assert len(load_documents([q], limit_bytes=20_000_000)) == 2000
 
 
 def test_data_that_would_not_fit_in_memory_is_refused_before_it_is_read(tmp_path, monkeypatch) -> None:
@@ -214,7 +223,7 @@ def test_data_that_would_not_fit_in_memory_is_refused_before_it_is_read(tmp_path
     monkeypatch.setattr(corpus, "available_bytes", lambda device: available)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)  # one process
     assert corpus.tokenizable_bytes() == 1500
-    with pytest.raises(ValueError, match=r"up to .*b\.txt holds 2,000 bytes of text.*--data-limit-mb"):
+    with pytest.raises(ValueError, match=r"up to .*b\.txt holds 2,000 bytes of text or more.*--data-limit-mb"):
         load_documents([tmp_path])
     assert [d.name for d in load_documents([tmp_path], limit_bytes=1200)] == [f"{tmp_path.name}/a.txt"]
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")  # three ranks on this machine, each loading the whole corpus

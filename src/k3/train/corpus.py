@@ -139,6 +139,8 @@ BINARY_MIN_BAD_BYTES = 8
 #: Bytes of memory that tokenizing one byte of text takes at its peak: the token ids as Python lists before they are
 #: packed (32 measured on the standard library with a 4,096-id tokenizer: 8.4 MiB of text, 266 MiB more at the peak).
 TOKENIZE_BYTES_PER_BYTE = 32
+#: Rows of a parquet file decoded at a time (its text counted before the next batch is decoded).
+PARQUET_BATCH_ROWS = 256
 
 
 def _undecodable_bytes(raw: bytes) -> int:
@@ -202,33 +204,42 @@ def _parquet_file(f: BinaryIO, path: Path) -> Any:
 
 
 def _parquet_text_bytes(pf: Any) -> int:
-    """The ``text`` column's bytes once decompressed, as the file's metadata states them (a small file may hold
-    much more text than its size)."""
+    """The ``text`` column's bytes once decompressed, as the file's metadata states them: a floor of its text (a small
+    file may hold much more text than its size; dictionary-encoded, more again)."""
     meta = pf.metadata
-    column = pf.schema_arrow.get_field_index("text")
-    return sum(meta.row_group(g).column(column).total_uncompressed_size for g in range(meta.num_row_groups))
+    groups = (meta.row_group(g) for g in range(meta.num_row_groups))
+    return sum(group.column(c).total_uncompressed_size for group in groups for c in range(group.num_columns)
+               if group.column(c).path_in_schema == "text")
 
 
-def _read_parquet(pf: Any, prefix: str) -> list[Document]:
+def _read_parquet(pf: Any, prefix: str, room: int | None) -> tuple[int, list[Document] | None]:
+    """The bytes of text of ``pf`` and its documents, or None for them once those bytes pass ``room``: counted batch by
+    batch as decoded, before any becomes Python text (a value repeated through a dictionary costs its every copy)."""
+    import pyarrow.compute as pc
+
     docs: list[Document] = []
-    row = 0
-    for batch in pf.iter_batches(columns=["text"]):
-        for text in batch.column(0).to_pylist():
+    row = size = 0
+    for batch in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=["text"]):
+        column = batch.column(0)
+        size += pc.sum(pc.binary_length(column)).as_py() or 0
+        if room is not None and size > room:
+            return size, None
+        for text in column.to_pylist():
             if text:  # None (null) and "" are skipped
                 docs.append(Document(f"{prefix}:{row}", text))
             row += 1
-    return docs
+    return size, docs
 
 
 def _read_file(path: Path, name: str, room: int | None) -> tuple[int, list[Document] | None]:
-    """The bytes of text ``path`` holds and its documents, or None for them (nothing read) when those bytes exceed
-    ``room``. Read through the descriptor checked to be a regular file (a FIFO or a device — a link to /dev/zero — is
-    refused, not read forever), at most its size when opened."""
+    """The bytes of text ``path`` holds (at least: a parquet file stops being read once past) and its documents, or
+    None for them when those bytes exceed ``room``. Read through the descriptor checked to be a regular file (a FIFO
+    or a device — a link to /dev/zero — is refused, not read forever), at most its size when opened."""
     with open_regular(path) as f:
         if path.suffix.lower() == ".parquet":
             pf = _parquet_file(f, path)
-            size = _parquet_text_bytes(pf)
-            return size, (None if room is not None and size > room else _read_parquet(pf, name))
+            stated = _parquet_text_bytes(pf)
+            return (stated, None) if room is not None and stated > room else _read_parquet(pf, name, room)
         size = os.fstat(f.fileno()).st_size
         if room is not None and size > room:
             return size, None
@@ -266,9 +277,9 @@ def _data_files(paths: list[str | os.PathLike[str]]) -> list[tuple[str, Path]]:
 
 def _too_much(path: Path, total: int, limit_bytes: int | None, memory: int | None) -> ValueError:
     if limit_bytes is not None and total > limit_bytes:
-        return ValueError(f"{path}: {total:,} bytes of text, more than the data limit ({limit_bytes:,} bytes) "
+        return ValueError(f"{path}: {total:,} bytes of text or more, past the data limit ({limit_bytes:,} bytes) "
                           f"on its own: raise the limit or split the file")
-    return ValueError(f"the data up to {path} holds {total:,} bytes of text; tokenizing takes about "
+    return ValueError(f"the data up to {path} holds {total:,} bytes of text or more; tokenizing takes about "
                       f"{TOKENIZE_BYTES_PER_BYTE} bytes of memory a byte of text, and {memory:,} bytes of text is "
                       f"what the memory available allows: set a data limit (--data-limit-mb) to use the first files")
 
