@@ -316,8 +316,8 @@ def load_documents(paths: Sequence[str | os.PathLike[str]] | str | os.PathLike[s
     Empty documents are dropped. A missing path → ``FileNotFoundError``; no documents at all →
     ``ValueError("no documents found in …")``.
 
-    Bounded before anything is read: ``limit_bytes`` keeps the first whole files whose text (a file's size; a
-    parquet file's decompressed ``text`` column) totals at most that many bytes — a first file larger than that is a
+    Bounded as it is read: ``limit_bytes`` keeps the first whole files whose text (a file's size; a parquet file's
+    ``text`` column, counted as decoded) totals at most that many bytes — a first file larger than that is a
     ValueError naming it. Data that would not fit in memory once tokenized (`tokenizable_bytes`) is a ValueError
     naming the file that goes past, never a process killed for its memory.
     """
